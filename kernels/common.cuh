@@ -1,0 +1,84 @@
+// Shared device helpers for the discrete DDTree kernels: logit loading, order-preserving keys, the
+// deterministic exp of reference/README.md, and block-wide reductions.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+namespace kdt {
+
+typedef unsigned long long u64;
+
+// Row status bits written by the kernels that validate logits (mirrored in src/cuda/mod.rs).
+constexpr int STATUS_NAN = 1;
+constexpr int STATUS_POS_INF = 2;
+constexpr int STATUS_NO_FINITE = 4;
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// Maps f32 bits to a u32 whose unsigned order is the float order (-inf lowest; NaN above +inf). Adding
+// +0.0 first reads -0.0 as +0.0, as the contract says.
+__device__ __forceinline__ uint32_t order_key(float v) {
+    uint32_t b = __float_as_uint(__fadd_rn(v, 0.0f));
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+
+// Composite key: value descending, then index ascending, as one u64 compared unsigned. Never 0 for a real
+// element (the value part of -inf is 0x007FFFFF), so 0 marks an empty slot.
+__device__ __forceinline__ u64 composite_key(uint32_t value_key, uint32_t index) {
+    return ((u64)value_key << 32) | (u64)(~index);
+}
+
+__device__ __forceinline__ int status_of(float v) {
+    if (isnan(v)) return STATUS_NAN;
+    if (isinf(v) && v > 0.0f) return STATUS_POS_INF;
+    return 0;
+}
+
+// exp(d) for d <= 0 from single rounded f32 operations, bit-identical to the numpy and Rust versions.
+// The _rn intrinsics stop nvcc from contracting a multiply and an add into an FMA.
+__device__ __forceinline__ float expd(float d) {
+    if (!(d >= -31.0f)) return 0.0f;
+    const float log2e = __uint_as_float(0x3FB8AA3Bu);
+    const float ln2_hi = __uint_as_float(0x3F317200u);
+    const float ln2_lo = __uint_as_float(0x35BFBE8Eu);
+    float k = rintf(__fmul_rn(d, log2e));
+    float r = __fsub_rn(d, __fmul_rn(k, ln2_hi));
+    r = __fsub_rn(r, __fmul_rn(k, ln2_lo));
+    const uint32_t coeff[7] = {0x3AB60B61u, 0x3C088889u, 0x3D2AAAABu, 0x3E2AAAABu,
+                               0x3F000000u, 0x3F800000u, 0x3F800000u};
+    float p = __uint_as_float(0x39500D01u);
+#pragma unroll
+    for (int i = 0; i < 7; ++i) p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(coeff[i]));
+    float scale = __uint_as_float((uint32_t)((int)k + 127) << 23);
+    return __fmul_rn(p, scale);
+}
+
+// floor(expd(v - m) * 2^44): the exact fixed-point term of the chunked logsumexp.
+__device__ __forceinline__ u64 lse_term(float v, float m) {
+    if (v == -INFINITY) return 0;
+    float e = expd(__fsub_rn(v, m));
+    return __float2ull_rz(__fmul_rn(e, 17592186044416.0f));
+}
+
+// Shift that yields 0 instead of undefined behaviour at 64.
+__device__ __forceinline__ u64 shr64(u64 x, int n) { return n >= 64 ? 0ull : (x >> n); }
+
+struct MaxOp {
+    template <typename T>
+    __device__ __forceinline__ T operator()(const T& a, const T& b) const { return a > b ? a : b; }
+};
+struct MinOp {
+    template <typename T>
+    __device__ __forceinline__ T operator()(const T& a, const T& b) const { return a < b ? a : b; }
+};
+
+}  // namespace kdt

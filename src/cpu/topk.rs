@@ -1,0 +1,104 @@
+//! Top-K with logsumexp over the vocabulary: the exact contract of `reference/README.md`.
+//!
+//! The logsumexp is built so that every implementation gets the same bits: a fixed chunking of the row,
+//! a deterministic exp made of single rounded f32 operations ([`expd`]), exact fixed-point sums inside a
+//! chunk, and a float64 combine across chunks in chunk order.
+
+use rayon::prelude::*;
+
+use super::composite_key;
+use crate::error::{check_len, Error, Result};
+use crate::types::{check_vocab, Logits, TopK};
+
+/// Values per logsumexp chunk.
+pub const LSE_CHUNK: usize = 8192;
+/// Fixed-point scale of the chunk sums, 2^44.
+const FIXED_SCALE: f32 = 17_592_186_044_416.0;
+
+/// exp(d) for d <= 0 from single rounded f32 operations (no fused multiply-add), 0 below -31.
+pub fn expd(d: f32) -> f32 {
+    const C: [u32; 7] =
+        [0x3AB6_0B61, 0x3C08_8889, 0x3D2A_AAAB, 0x3E2A_AAAB, 0x3F00_0000, 0x3F80_0000, 0x3F80_0000];
+    if d.is_nan() || d < -31.0 {
+        return 0.0;
+    }
+    let k = (d * f32::from_bits(0x3FB8_AA3B)).round_ties_even();
+    let mut r = d - k * f32::from_bits(0x3F31_7200);
+    r -= k * f32::from_bits(0x35BF_BE8E);
+    let mut p = f32::from_bits(0x3950_0D01);
+    for c in C {
+        p = p * r + f32::from_bits(c);
+    }
+    p * f32::from_bits(((k as i32 + 127) as u32) << 23)
+}
+
+/// floor(expd(v - m) * 2^44), the exact fixed-point term of a chunk sum.
+fn lse_term(v: f32, m: f32) -> u64 {
+    if v == f32::NEG_INFINITY {
+        return 0;
+    }
+    (expd(v - m) * FIXED_SCALE) as u64
+}
+
+/// Validates one row (finite or -inf values, at least one finite) and returns its logsumexp.
+pub fn row_lse(row: &[f32]) -> std::result::Result<f32, &'static str> {
+    if row.iter().any(|v| v.is_nan()) {
+        return Err("NaN logit");
+    }
+    if row.iter().any(|&v| v == f32::INFINITY) {
+        return Err("+inf logit");
+    }
+    let chunks: Vec<(f32, u64)> = row
+        .chunks(LSE_CHUNK)
+        .map(|c| {
+            let m = c.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            (m, c.iter().map(|&v| lse_term(v, m)).sum())
+        })
+        .collect();
+    let big = chunks.iter().map(|c| c.0).fold(f32::NEG_INFINITY, f32::max);
+    if big == f32::NEG_INFINITY {
+        return Err("no finite logit in the row");
+    }
+    let total: f64 =
+        chunks.iter().filter(|c| c.1 != 0).fold(0.0, |acc, &(m, s)| acc + s as f64 * expd(m - big) as f64);
+    Ok((big as f64 + (total * 2f64.powi(-44)).ln()) as f32)
+}
+
+/// Writes the K best indices of `row` (value descending, index ascending) and their `value - lse`.
+fn select_row(row: &[f32], lse: f32, ids: &mut [i32], logp: &mut [f32]) {
+    let k = ids.len();
+    let mut keys: Vec<u64> = row.iter().enumerate().map(|(i, &v)| composite_key(v, i as u32)).collect();
+    if k < keys.len() {
+        keys.select_nth_unstable_by(k - 1, |a, b| b.cmp(a));
+        keys.truncate(k);
+    }
+    keys.sort_unstable_by(|a, b| b.cmp(a));
+    for (j, key) in keys.iter().enumerate() {
+        let id = !(*key as u32);
+        ids[j] = id as i32;
+        logp[j] = row[id as usize] - lse;
+    }
+}
+
+/// Top-K with logsumexp of `logits [bs, depth, vocab]`, K = `k` (use [`crate::types::top_k_for`]).
+pub fn topk_logsumexp(logits: Logits, bs: usize, depth: usize, vocab: usize, k: usize) -> Result<TopK> {
+    check_vocab(vocab)?;
+    if k == 0 || k > vocab {
+        return Err(Error::param("k", k, format!("must be in 1..={vocab} (the vocabulary)")));
+    }
+    check_len("logits", logits.len(), &[("bs", bs), ("L", depth), ("V", vocab)])?;
+    let rows = bs * depth;
+    let mut out = TopK { bs, depth, k, ids: vec![0; rows * k], logp: vec![0.0; rows * k], lse: vec![0.0; rows] };
+    out.ids
+        .par_chunks_mut(k)
+        .zip(out.logp.par_chunks_mut(k))
+        .zip(out.lse.par_iter_mut())
+        .enumerate()
+        .try_for_each(|(r, ((ids, logp), lse))| {
+            let row: Vec<f32> = (0..vocab).map(|i| logits.get(r * vocab + i) + 0.0).collect();
+            *lse = row_lse(&row).map_err(|problem| Error::Logits { name: "draft_logits", row: r, problem })?;
+            select_row(&row, *lse, ids, logp);
+            Ok(())
+        })?;
+    Ok(out)
+}

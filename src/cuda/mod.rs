@@ -1,0 +1,204 @@
+//! CUDA backend: the device context, the embedded kernel fatbin, and one launcher module per kernel
+//! family (named like its `.cu` file and its CPU reference).
+//!
+//! Launchers follow a plan/run split: a plan allocates its scratch once for a maximum shape, and `run`
+//! only launches (no allocation, no host round trip). Each family also offers a host-to-host convenience
+//! call used by tests and examples. In debug builds every launch is followed by a synchronize and an
+//! error check, so a faulting kernel is reported at its launch site.
+
+pub mod greedy_accept;
+pub mod kv_compact;
+pub mod topk;
+pub mod tree_build;
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits,
+};
+use cudarc::nvrtc::Ptx;
+use half::bf16;
+
+use crate::error::{Error, Result};
+
+/// The fatbin built by build.rs from kernels/*.cu (SASS for sm_90 and sm_120, PTX for compute_120).
+static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin"));
+
+/// Shared memory a block may use on every supported GPU (SM120 allows 99 KB per block).
+pub const MAX_SHARED_BYTES: usize = 99 * 1024;
+
+/// Row status bits set by validating kernels (kernels/common.cuh).
+const STATUS_NAN: i32 = 1;
+const STATUS_POS_INF: i32 = 2;
+const STATUS_NO_FINITE: i32 = 4;
+
+/// True when the CUDA driver library loads and reports at least one device. Never panics.
+pub fn device_available() -> bool {
+    // cudarc panics on first use when libcuda is missing, so probe for the library first.
+    if !unsafe { sys::is_culib_present() } {
+        return false;
+    }
+    CudaContext::device_count().map(|n| n > 0).unwrap_or(false)
+}
+
+/// Logits on the device, f32 or bf16, row-major.
+#[derive(Clone, Copy, Debug)]
+pub enum DeviceLogits<'a> {
+    /// 32-bit floats.
+    F32(&'a CudaSlice<f32>),
+    /// bfloat16.
+    Bf16(&'a CudaSlice<bf16>),
+}
+
+impl DeviceLogits<'_> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            DeviceLogits::F32(x) => x.len(),
+            DeviceLogits::Bf16(x) => x.len(),
+        }
+    }
+
+    /// True when there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Owned device logits (what the host conveniences upload).
+pub enum OwnedDeviceLogits {
+    /// 32-bit floats.
+    F32(CudaSlice<f32>),
+    /// bfloat16.
+    Bf16(CudaSlice<bf16>),
+}
+
+impl OwnedDeviceLogits {
+    /// Borrowed view.
+    pub fn view(&self) -> DeviceLogits<'_> {
+        match self {
+            OwnedDeviceLogits::F32(x) => DeviceLogits::F32(x),
+            OwnedDeviceLogits::Bf16(x) => DeviceLogits::Bf16(x),
+        }
+    }
+}
+
+/// The kernels of the fatbin, looked up once.
+struct Kernels {
+    topk_chunk_f32: CudaFunction,
+    topk_chunk_bf16: CudaFunction,
+    topk_merge: CudaFunction,
+    tree_build: CudaFunction,
+    greedy_accept_f32: CudaFunction,
+    greedy_accept_bf16: CudaFunction,
+    greedy_accept_argmax: CudaFunction,
+    kv_compact: CudaFunction,
+}
+
+impl Kernels {
+    fn load(module: &Arc<CudaModule>) -> Result<Self> {
+        let f = |name: &'static str| module.load_function(name).map_err(|e| cuda_err("load_function", e));
+        Ok(Kernels {
+            topk_chunk_f32: f("topk_chunk_f32")?,
+            topk_chunk_bf16: f("topk_chunk_bf16")?,
+            topk_merge: f("topk_merge")?,
+            tree_build: f("tree_build")?,
+            greedy_accept_f32: f("greedy_accept_f32")?,
+            greedy_accept_bf16: f("greedy_accept_bf16")?,
+            greedy_accept_argmax: f("greedy_accept_argmax")?,
+            kv_compact: f("kv_compact")?,
+        })
+    }
+}
+
+/// A CUDA device with the kernels loaded and one stream that every launch goes to.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+}
+
+impl Gpu {
+    /// Opens device `ordinal` and loads the kernels; `Error::NoDevice` when there is no driver or device.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        if !device_available() {
+            return Err(Error::NoDevice("no CUDA driver library or no device found".into()));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("CudaContext::new", e))?;
+        let module = ctx.load_module(Ptx::from_binary(FATBIN.to_vec())).map_err(|e| cuda_err("load_module", e))?;
+        let kernels = Kernels::load(&module)?;
+        let stream = ctx.default_stream();
+        Ok(Gpu { ctx, stream, kernels })
+    }
+
+    /// The device's name, e.g. "NVIDIA H200".
+    pub fn name(&self) -> Result<String> {
+        self.ctx.name().map_err(|e| cuda_err("device name", e))
+    }
+
+    /// The stream every launch of this `Gpu` goes to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| cuda_err("synchronize", e))
+    }
+
+    /// Copies a host slice to a new device buffer.
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        self.stream.clone_htod(host).map_err(|e| cuda_err("upload", e))
+    }
+
+    /// Copies a device buffer back to the host (synchronizes).
+    pub fn download<T: DeviceRepr>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>> {
+        self.stream.clone_dtoh(dev).map_err(|e| cuda_err("download", e))
+    }
+
+    /// A zeroed device buffer of `len` elements.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
+        self.stream.alloc_zeros(len.max(1)).map_err(|e| cuda_err("alloc_zeros", e))
+    }
+
+    /// Uploads host logits.
+    pub fn upload_logits(&self, logits: crate::types::Logits) -> Result<OwnedDeviceLogits> {
+        Ok(match logits {
+            crate::types::Logits::F32(x) => OwnedDeviceLogits::F32(self.upload(x)?),
+            crate::types::Logits::Bf16(x) => OwnedDeviceLogits::Bf16(self.upload(x)?),
+        })
+    }
+
+    /// In debug builds, waits for the launch just queued and reports any fault under the kernel's name.
+    fn after_launch(&self, kernel: &'static str) -> Result<()> {
+        if cfg!(debug_assertions) {
+            self.stream.synchronize().map_err(|e| cuda_err(kernel, e))?;
+        }
+        Ok(())
+    }
+}
+
+/// Maps a driver error to the crate's error, naming the operation.
+pub(crate) fn cuda_err(context: &'static str, e: DriverError) -> Error {
+    Error::Cuda { context, detail: e.to_string() }
+}
+
+/// Turns the per-row status words of a validating kernel into the first error they report.
+pub(crate) fn status_error(name: &'static str, status: &[i32]) -> Result<()> {
+    let Some((row, &bits)) = status.iter().enumerate().find(|(_, &s)| s != 0) else { return Ok(()) };
+    let problem = if bits & STATUS_NAN != 0 {
+        "NaN logit"
+    } else if bits & STATUS_POS_INF != 0 {
+        "+inf logit"
+    } else if bits & STATUS_NO_FINITE != 0 {
+        "no finite logit in the row"
+    } else {
+        "invalid value"
+    };
+    Err(Error::Logits { name, row, problem })
+}
+
+/// Converts a size to the i32 the kernels take, naming it when it does not fit.
+pub(crate) fn to_i32(name: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::param(name, v, "does not fit the kernels' 32-bit sizes"))
+}

@@ -1,0 +1,140 @@
+//! Launcher of kernels/topk.cu: top-K with logsumexp over the vocabulary (see [`crate::cpu::topk`]).
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{cuda_err, status_error, to_i32, DeviceLogits, Gpu};
+use crate::cpu::topk::LSE_CHUNK;
+use crate::error::{check_len, Error, Result};
+use crate::types::{check_vocab, Logits, TopK};
+
+const THREADS: u32 = 256;
+/// Largest K the kernels select (their candidate buffers hold 512 keys).
+pub const MAX_K: usize = 512;
+
+/// Device outputs of top-K: `[rows, K]` ids and log-probs, `[rows]` lse and status words.
+pub struct DeviceTopK {
+    /// Rows (bs * L).
+    pub rows: usize,
+    /// Candidates per row.
+    pub k: usize,
+    /// Token ids, value descending then id ascending.
+    pub ids: CudaSlice<i32>,
+    /// `logit - lse`.
+    pub logp: CudaSlice<f32>,
+    /// logsumexp per row.
+    pub lse: CudaSlice<f32>,
+    /// Per-row validation bits; nonzero means the row's logits were invalid.
+    pub status: CudaSlice<i32>,
+}
+
+impl DeviceTopK {
+    /// Copies the outputs to the host, returning an error if any row had invalid logits.
+    pub fn to_host(&self, gpu: &Gpu, bs: usize, depth: usize) -> Result<TopK> {
+        check_len("rows", self.rows, &[("bs", bs), ("L", depth)])?;
+        status_error("draft_logits", &gpu.download(&self.status)?[..self.rows])?;
+        let (ids, logp, lse) = (gpu.download(&self.ids)?, gpu.download(&self.logp)?, gpu.download(&self.lse)?);
+        let n = self.rows * self.k;
+        Ok(TopK { bs, depth, k: self.k, ids: ids[..n].to_vec(), logp: logp[..n].to_vec(), lse: lse[..self.rows].to_vec() })
+    }
+}
+
+/// Scratch for up to `rows` rows of `vocab` logits and a fixed K: the chunks' candidates and statistics.
+pub struct TopKPlan {
+    rows: usize,
+    vocab: usize,
+    k: usize,
+    chunks: usize,
+    cand: CudaSlice<u64>,
+    chunk_max: CudaSlice<f32>,
+    chunk_sum: CudaSlice<u64>,
+    chunk_kth: CudaSlice<u64>,
+    chunk_flags: CudaSlice<i32>,
+}
+
+impl TopKPlan {
+    /// Allocates the scratch for at most `rows` rows.
+    pub fn new(gpu: &Gpu, rows: usize, vocab: usize, k: usize) -> Result<Self> {
+        check_vocab(vocab)?;
+        if k == 0 || k > vocab.min(MAX_K) {
+            return Err(Error::param("k", k, format!("must be in 1..={} (min of vocab and {MAX_K})", vocab.min(MAX_K))));
+        }
+        if rows == 0 || rows > 65_535 {
+            return Err(Error::param("rows", rows, "bs * L must be in 1..=65535 (the grid's y dimension)"));
+        }
+        let chunks = vocab.div_ceil(LSE_CHUNK);
+        Ok(TopKPlan {
+            rows,
+            vocab,
+            k,
+            chunks,
+            cand: gpu.zeros(rows * chunks * k)?,
+            chunk_max: gpu.zeros(rows * chunks)?,
+            chunk_sum: gpu.zeros(rows * chunks)?,
+            chunk_kth: gpu.zeros(rows * chunks)?,
+            chunk_flags: gpu.zeros(rows * chunks)?,
+        })
+    }
+
+    /// Device buffers for this plan's outputs.
+    pub fn alloc_output(&self, gpu: &Gpu) -> Result<DeviceTopK> {
+        Ok(DeviceTopK {
+            rows: self.rows,
+            k: self.k,
+            ids: gpu.zeros(self.rows * self.k)?,
+            logp: gpu.zeros(self.rows * self.k)?,
+            lse: gpu.zeros(self.rows)?,
+            status: gpu.zeros(self.rows)?,
+        })
+    }
+
+    /// Queues top-K of `rows` rows (at most the plan's) of `logits [rows, vocab]` into `out`.
+    pub fn run(&mut self, gpu: &Gpu, logits: DeviceLogits, rows: usize, out: &mut DeviceTopK) -> Result<()> {
+        if rows == 0 || rows > self.rows || out.rows < rows || out.k != self.k {
+            return Err(Error::param("rows", rows, format!("must be in 1..={} with outputs from this plan", self.rows)));
+        }
+        check_len("logits", logits.len(), &[("rows", rows), ("V", self.vocab)])?;
+        let (vocab, k, chunks) = (to_i32("vocab", self.vocab)?, self.k as i32, self.chunks as i32);
+        let chunk_cfg =
+            LaunchConfig { grid_dim: (self.chunks as u32, rows as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let stream = gpu.stream();
+        let kernels = &gpu.kernels;
+        match logits {
+            DeviceLogits::F32(x) => {
+                let mut b = stream.launch_builder(&kernels.topk_chunk_f32);
+                b.arg(x).arg(&vocab).arg(&k);
+                b.arg(&mut self.cand).arg(&mut self.chunk_max).arg(&mut self.chunk_sum);
+                b.arg(&mut self.chunk_kth).arg(&mut self.chunk_flags);
+                unsafe { b.launch(chunk_cfg) }.map_err(|e| cuda_err("topk_chunk_f32", e))?;
+            }
+            DeviceLogits::Bf16(x) => {
+                let mut b = stream.launch_builder(&kernels.topk_chunk_bf16);
+                b.arg(x).arg(&vocab).arg(&k);
+                b.arg(&mut self.cand).arg(&mut self.chunk_max).arg(&mut self.chunk_sum);
+                b.arg(&mut self.chunk_kth).arg(&mut self.chunk_flags);
+                unsafe { b.launch(chunk_cfg) }.map_err(|e| cuda_err("topk_chunk_bf16", e))?;
+            }
+        }
+        gpu.after_launch("topk_chunk")?;
+        let merge_cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut b = stream.launch_builder(&kernels.topk_merge);
+        b.arg(&self.cand).arg(&self.chunk_max).arg(&self.chunk_sum).arg(&self.chunk_kth).arg(&self.chunk_flags);
+        b.arg(&chunks).arg(&k);
+        b.arg(&mut out.ids).arg(&mut out.logp).arg(&mut out.lse).arg(&mut out.status);
+        unsafe { b.launch(merge_cfg) }.map_err(|e| cuda_err("topk_merge", e))?;
+        gpu.after_launch("topk_merge")
+    }
+}
+
+impl Gpu {
+    /// Top-K with logsumexp of host `logits [bs, depth, vocab]`: uploads, runs, checks, downloads.
+    pub fn topk_logsumexp(&self, logits: Logits, bs: usize, depth: usize, vocab: usize, k: usize) -> Result<TopK> {
+        check_vocab(vocab)?;
+        check_len("logits", logits.len(), &[("bs", bs), ("L", depth), ("V", vocab)])?;
+        let rows = bs * depth;
+        let mut plan = TopKPlan::new(self, rows, vocab, k)?;
+        let mut out = plan.alloc_output(self)?;
+        let dev = self.upload_logits(logits)?;
+        plan.run(self, dev.view(), rows, &mut out)?;
+        out.to_host(self, bs, depth)
+    }
+}

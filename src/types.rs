@@ -1,0 +1,230 @@
+//! Host-side inputs and outputs shared by the CPU and CUDA backends, with their shape checks.
+
+use half::bf16;
+
+use crate::error::{check_len, Error, Result};
+use crate::{MAX_BUDGET, MAX_DEPTH, MAX_VOCAB};
+
+/// A logits array on the host, f32 or bf16, row-major.
+#[derive(Clone, Copy, Debug)]
+pub enum Logits<'a> {
+    /// 32-bit floats.
+    F32(&'a [f32]),
+    /// bfloat16 values, widened exactly to f32 by every kernel.
+    Bf16(&'a [bf16]),
+}
+
+impl Logits<'_> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Logits::F32(x) => x.len(),
+            Logits::Bf16(x) => x.len(),
+        }
+    }
+
+    /// True when there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Element `i` as f32.
+    #[inline]
+    pub fn get(&self, i: usize) -> f32 {
+        match self {
+            Logits::F32(x) => x[i],
+            Logits::Bf16(x) => x[i].to_f32(),
+        }
+    }
+
+    /// "f32" or "bf16".
+    pub fn dtype(&self) -> &'static str {
+        match self {
+            Logits::F32(_) => "f32",
+            Logits::Bf16(_) => "bf16",
+        }
+    }
+}
+
+/// Checks a vocabulary size against [`MAX_VOCAB`].
+pub fn check_vocab(vocab: usize) -> Result<()> {
+    if vocab == 0 || vocab >= MAX_VOCAB {
+        return Err(Error::param("vocab", vocab, format!("must be in 1..{MAX_VOCAB}")));
+    }
+    Ok(())
+}
+
+/// K = min(budget, vocab), optionally capped by `k_max` (which makes the tree approximate).
+pub fn top_k_for(budget: usize, vocab: usize, k_max: Option<usize>) -> usize {
+    budget.min(vocab).min(k_max.unwrap_or(usize::MAX))
+}
+
+/// Top-K over the vocabulary per (request, draft position): `[bs, L, K]` ids and log-probs, `[bs, L]` lse.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TopK {
+    /// Requests.
+    pub bs: usize,
+    /// Draft positions per request (L).
+    pub depth: usize,
+    /// Candidates kept per position.
+    pub k: usize,
+    /// Token ids, value descending then id ascending.
+    pub ids: Vec<i32>,
+    /// `logit - lse` for each id.
+    pub logp: Vec<f32>,
+    /// logsumexp of each row.
+    pub lse: Vec<f32>,
+}
+
+impl TopK {
+    /// Checks the array lengths against `bs`, `depth` and `k`.
+    pub fn check(&self) -> Result<()> {
+        let dims = [("bs", self.bs), ("L", self.depth), ("K", self.k)];
+        check_len("top_ids", self.ids.len(), &dims)?;
+        check_len("top_logp", self.logp.len(), &dims)?;
+        check_len("lse", self.lse.len(), &dims[..2])
+    }
+}
+
+/// The shape of a draft tree batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TreeShape {
+    /// Requests.
+    pub bs: usize,
+    /// Draft positions L, the deepest a node can be.
+    pub depth: usize,
+    /// Node budget B (draft nodes, root excluded).
+    pub budget: usize,
+}
+
+impl TreeShape {
+    /// Validates the budget and depth limits.
+    pub fn new(bs: usize, depth: usize, budget: usize) -> Result<Self> {
+        if bs == 0 {
+            return Err(Error::param("bs", bs, "need at least one request"));
+        }
+        if budget == 0 || budget > MAX_BUDGET {
+            return Err(Error::param("budget", budget, format!("tree budget must be in 1..={MAX_BUDGET}")));
+        }
+        if depth == 0 || depth > MAX_DEPTH {
+            return Err(Error::param("depth", depth, format!("draft depth L must be in 1..={MAX_DEPTH}")));
+        }
+        Ok(TreeShape { bs, depth, budget })
+    }
+
+    /// Rows per request, N = B + 1 (the root is row 0).
+    pub fn rows(&self) -> usize {
+        self.budget + 1
+    }
+
+    /// 32-bit words per visibility row, W = ceil(N / 32).
+    pub fn words(&self) -> usize {
+        self.rows().div_ceil(32)
+    }
+}
+
+/// A batch of draft trees (DESIGN.md §4.1 step 3). Rows past `num_nodes[b]` are padding: -1, and 0 in
+/// `visibility`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DraftTree {
+    /// The batch shape.
+    pub shape: TreeShape,
+    /// Draft nodes per request (root excluded): rows `0..=num_nodes[b]` are valid.
+    pub num_nodes: Vec<i32>,
+    /// `[bs, N]` token of each row; row 0 is the root (bonus) token.
+    pub node_token: Vec<i32>,
+    /// `[bs, N]` depth, root 0.
+    pub node_depth: Vec<i32>,
+    /// `[bs, N]` parent row, root -1; always smaller than the row.
+    pub parent: Vec<i32>,
+    /// `[bs, N]` first child row or -1.
+    pub first_child: Vec<i32>,
+    /// `[bs, N]` next sibling row (row order) or -1.
+    pub next_sibling: Vec<i32>,
+    /// `[bs, N]` position = seq_len + depth.
+    pub position: Vec<i32>,
+    /// `[bs, N, W]` bit j of row i set iff row j is row i or one of its ancestors.
+    pub visibility: Vec<u32>,
+}
+
+impl DraftTree {
+    /// Checks every array's length against the shape.
+    pub fn check(&self) -> Result<()> {
+        let s = self.shape;
+        let rows = [("bs", s.bs), ("N", s.rows())];
+        check_len("num_nodes", self.num_nodes.len(), &rows[..1])?;
+        for (name, v) in [
+            ("node_token", &self.node_token),
+            ("node_depth", &self.node_depth),
+            ("parent", &self.parent),
+            ("first_child", &self.first_child),
+            ("next_sibling", &self.next_sibling),
+            ("position", &self.position),
+        ] {
+            check_len(name, v.len(), &rows)?;
+        }
+        check_len("visibility", self.visibility.len(), &[("bs", s.bs), ("N", s.rows()), ("W", s.words())])
+    }
+
+    /// Row range of request `b` in the `[bs, N]` arrays.
+    pub fn request_rows(&self, b: usize) -> std::ops::Range<usize> {
+        let n = self.shape.rows();
+        b * n..(b + 1) * n
+    }
+}
+
+/// The result of greedy acceptance (DESIGN.md §4.2).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Acceptance {
+    /// Requests.
+    pub bs: usize,
+    /// Draft positions L; the path arrays have L + 1 columns.
+    pub depth: usize,
+    /// `[bs, N]` target argmax per valid row, -1 for padding rows.
+    pub target_argmax: Vec<i32>,
+    /// `[bs]` accepted draft nodes (root excluded).
+    pub accept_len: Vec<i32>,
+    /// `[bs, L+1]` accepted rows: 0, then the path; -1 padding.
+    pub accept_rows: Vec<i32>,
+    /// `[bs, L+1]` accepted draft tokens then the bonus token; -1 padding.
+    pub emitted: Vec<i32>,
+}
+
+/// Layout of a paged KV cache: `[layers, num_pages, page_size, row_elems]` bf16, and per-request block
+/// tables of `pages_per_req` page ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Layers in the cache tensor.
+    pub layers: usize,
+    /// Pages per layer.
+    pub num_pages: usize,
+    /// Slots per page.
+    pub page_size: usize,
+    /// Elements per slot (576 for MLA's `[c_kv 512 | k_pe 64]`).
+    pub row_elems: usize,
+    /// Block-table entries per request.
+    pub pages_per_req: usize,
+}
+
+impl KvLayout {
+    /// Total cache elements.
+    pub fn elems(&self) -> usize {
+        self.layers * self.num_pages * self.page_size * self.row_elems
+    }
+
+    /// Element offset of `slot` of a request whose block table is `table`, in `layer`.
+    pub fn slot_offset(&self, table: &[i32], layer: usize, slot: usize) -> Result<usize> {
+        let idx = slot / self.page_size;
+        let page = *table.get(idx).ok_or_else(|| Error::Index {
+            name: "block_table",
+            detail: format!("slot {slot} needs page entry {idx}, table has {}", table.len()),
+        })?;
+        if page < 0 || page as usize >= self.num_pages {
+            return Err(Error::Index {
+                name: "block_table",
+                detail: format!("page id {page} outside 0..{}", self.num_pages),
+            });
+        }
+        Ok(((layer * self.num_pages + page as usize) * self.page_size + slot % self.page_size) * self.row_elems)
+    }
+}

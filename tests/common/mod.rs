@@ -1,0 +1,50 @@
+//! Helpers shared by the integration tests: fixture paths, the GPU gate, and exact comparisons.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use kdtree_engine::fixture::Fixture;
+
+/// The `fixtures/` directory of this crate.
+pub fn fixtures_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
+
+/// Every case of `kernel`; fails the test if there are none (a missing fixture set must not pass).
+pub fn cases(kernel: &str) -> Vec<Fixture> {
+    let cases = Fixture::cases(fixtures_root(), kernel).expect("fixtures readable");
+    assert!(!cases.is_empty(), "no fixtures for {kernel}: run `python3 reference/gen_fixtures.py`");
+    cases
+}
+
+/// Asserts two arrays are identical, naming the array, the case and the first differing index.
+pub fn assert_same<T: PartialEq + std::fmt::Debug>(case: &str, name: &str, got: &[T], want: &[T]) {
+    assert_eq!(got.len(), want.len(), "{case}: `{name}` length");
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        panic!("{case}: `{name}` differs at {i}: got {:?}, want {:?}", got[i], want[i]);
+    }
+}
+
+/// Bit-exact comparison of f32 arrays (so -0.0 != 0.0 and NaN == NaN when the bits agree).
+pub fn assert_bits(case: &str, name: &str, got: &[f32], want: &[f32]) {
+    let g: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+    let w: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
+    if let Some(i) = (0..g.len().min(w.len())).find(|&i| g[i] != w[i]) {
+        panic!("{case}: `{name}` differs at {i}: got {} ({:#x}), want {} ({:#x})", got[i], g[i], want[i], w[i]);
+    }
+    assert_eq!(g.len(), w.len(), "{case}: `{name}` length");
+}
+
+/// The shared GPU, or `None` after printing `skipped: no CUDA device`.
+#[cfg(feature = "cuda")]
+pub fn gpu() -> Option<&'static kdtree_engine::cuda::Gpu> {
+    static GPU: std::sync::OnceLock<Option<kdtree_engine::cuda::Gpu>> = std::sync::OnceLock::new();
+    let gpu = GPU.get_or_init(|| {
+        kdtree_engine::cuda::device_available()
+            .then(|| kdtree_engine::cuda::Gpu::new(0).expect("a CUDA device is present, so it must open"))
+    });
+    if gpu.is_none() {
+        println!("skipped: no CUDA device");
+    }
+    gpu.as_ref()
+}

@@ -1,0 +1,147 @@
+//! Top-K with logsumexp: CPU and GPU against the numpy fixtures (bit-exact), GPU against CPU on random
+//! inputs, and bad input.
+
+mod common;
+
+use common::{assert_bits, assert_same, cases};
+use half::bf16;
+use kdtree_engine::cpu::topk::{expd, topk_logsumexp};
+use kdtree_engine::fixture::Fixture;
+use kdtree_engine::{Error, Logits, TopK};
+use proptest::prelude::*;
+
+/// (bs, L, V, K) of a top-K fixture.
+fn dims(case: &Fixture) -> (usize, usize, usize, usize) {
+    let u = |k| case.usize(k).unwrap();
+    (u("bs"), u("L"), u("V"), u("K"))
+}
+
+fn check_against_fixture(case: &Fixture, got: &TopK) {
+    let name = case.name();
+    assert_same(&name, "top_ids", &got.ids, &case.array::<i32>("top_ids").unwrap());
+    assert_bits(&name, "top_logp", &got.logp, &case.array::<f32>("top_logp").unwrap());
+    assert_bits(&name, "lse", &got.lse, &case.array::<f32>("lse").unwrap());
+}
+
+#[test]
+fn cpu_matches_every_fixture() {
+    for case in cases("topk") {
+        let (bs, l, v, k) = dims(&case);
+        let logits = case.logits("logits").unwrap();
+        let got = topk_logsumexp(logits.view(), bs, l, v, k).unwrap();
+        check_against_fixture(&case, &got);
+    }
+}
+
+#[test]
+fn expd_is_exp_to_f32_accuracy() {
+    for d in (0..31_000).map(|i| -(i as f32) * 1e-3).filter(|&d| d >= -31.0) {
+        let rel = (expd(d) as f64 - (d as f64).exp()).abs() / (d as f64).exp();
+        assert!(rel < 1e-6, "expd({d}) off by {rel}");
+    }
+    assert_eq!(expd(-31.5), 0.0);
+    assert_eq!(expd(0.0), 1.0);
+}
+
+#[test]
+fn bad_input_is_a_named_error() {
+    let ok = vec![0.5f32; 2 * 8];
+    let mut nan = ok.clone();
+    nan[11] = f32::NAN;
+    let mut inf = ok.clone();
+    inf[3] = f32::INFINITY;
+    let mut all_neg_inf = ok.clone();
+    all_neg_inf[8..].fill(f32::NEG_INFINITY);
+    let run = |x: &[f32], k| topk_logsumexp(Logits::F32(x), 1, 2, 8, k);
+    assert!(matches!(run(&nan, 4), Err(Error::Logits { row: 1, problem: "NaN logit", .. })));
+    assert!(matches!(run(&inf, 4), Err(Error::Logits { row: 0, problem: "+inf logit", .. })));
+    assert!(matches!(run(&all_neg_inf, 4), Err(Error::Logits { row: 1, .. })));
+    assert!(matches!(run(&ok[..15], 4), Err(Error::Shape { name: "logits", .. })));
+    assert!(matches!(run(&ok, 0), Err(Error::Param { name: "k", .. })));
+    assert!(matches!(run(&ok, 9), Err(Error::Param { name: "k", .. })));
+}
+
+/// Logits with many exact ties and some -inf: values on a coarse grid.
+fn tie_heavy_logits(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            match s % 50 {
+                0 => f32::NEG_INFINITY,
+                r => (r as f32 - 25.0) * 0.25,
+            }
+        })
+        .collect()
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::*;
+    use common::gpu;
+
+    #[test]
+    fn gpu_matches_every_fixture() {
+        let Some(gpu) = gpu() else { return };
+        for case in cases("topk") {
+            let (bs, l, v, k) = dims(&case);
+            let logits = case.logits("logits").unwrap();
+            let got = gpu.topk_logsumexp(logits.view(), bs, l, v, k).unwrap();
+            check_against_fixture(&case, &got);
+        }
+    }
+
+    #[test]
+    fn gpu_reports_bad_logits() {
+        let Some(gpu) = gpu() else { return };
+        let mut x = vec![0.25f32; 3 * 20000];
+        x[20000 + 17] = f32::NAN;
+        let err = gpu.topk_logsumexp(Logits::F32(&x), 1, 3, 20000, 16).unwrap_err();
+        assert!(matches!(err, Error::Logits { row: 1, problem: "NaN logit", .. }), "{err}");
+        x[20000 + 17] = 0.0;
+        x[40000..].fill(f32::NEG_INFINITY);
+        let err = gpu.topk_logsumexp(Logits::F32(&x), 1, 3, 20000, 16).unwrap_err();
+        assert!(matches!(err, Error::Logits { row: 2, .. }), "{err}");
+    }
+
+    #[test]
+    fn gpu_is_deterministic_on_kimi_vocab() {
+        let Some(gpu) = gpu() else { return };
+        let (bs, l, v) = (2, 15, 163_840);
+        let x: Vec<bf16> = tie_heavy_logits(7, bs * l * v).into_iter().map(bf16::from_f32).collect();
+        let a = gpu.topk_logsumexp(Logits::Bf16(&x), bs, l, v, 256).unwrap();
+        let b = gpu.topk_logsumexp(Logits::Bf16(&x), bs, l, v, 256).unwrap();
+        assert_eq!(a, b);
+        let cpu = topk_logsumexp(Logits::Bf16(&x), bs, l, v, 256).unwrap();
+        check_same(&cpu, &a);
+    }
+
+    fn check_same(cpu: &TopK, gpu: &TopK) {
+        assert_same("random", "top_ids", &gpu.ids, &cpu.ids);
+        assert_bits("random", "top_logp", &gpu.logp, &cpu.logp);
+        assert_bits("random", "lse", &gpu.lse, &cpu.lse);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn gpu_matches_cpu_on_random_inputs(
+            bs in 1usize..4, l in 1usize..4, v in prop::sample::select(vec![1usize, 7, 64, 1000, 8192, 8193, 20000, 32000]),
+            k_frac in 0.0f64..1.0, seed in any::<u64>(), bf in any::<bool>(),
+        ) {
+            let Some(gpu) = gpu() else { return Ok(()) };
+            let k = 1 + ((v.min(512) - 1) as f64 * k_frac) as usize;
+            let mut x = tie_heavy_logits(seed, bs * l * v);
+            for r in 0..bs * l { x[r * v + (seed as usize % v)] = 1.5; } // every row keeps a finite value
+            let (cpu, got) = if bf {
+                let xb: Vec<bf16> = x.iter().map(|&f| bf16::from_f32(f)).collect();
+                (topk_logsumexp(Logits::Bf16(&xb), bs, l, v, k).unwrap(), gpu.topk_logsumexp(Logits::Bf16(&xb), bs, l, v, k).unwrap())
+            } else {
+                (topk_logsumexp(Logits::F32(&x), bs, l, v, k).unwrap(), gpu.topk_logsumexp(Logits::F32(&x), bs, l, v, k).unwrap())
+            };
+            check_same(&cpu, &got);
+        }
+    }
+}
