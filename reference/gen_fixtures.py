@@ -819,10 +819,12 @@ def kv_case(name, description, seed, layers, page_size, D, L, pages_per_req, ext
         accept_rows[b, :len(p)] = p
     assert len(set(block_table.ravel().tolist())) == block_table.size, "requests never share a page"
     out = kv_compact(cache, block_table, seq, accept_len, accept_rows)
+    n_rows = max(L + 1, max(p[-1] for p in paths) + 1)   # the tree rows written after each prefix
     write_case("kv_compact", name,
                {"cache": cache, "block_table": block_table, "seq_len": seq, "accept_len": accept_len,
                 "accept_rows": accept_rows, "cache_out": out},
-               {"layers": layers, "pages": pages, "page_size": page_size, "D": D, "bs": bs, "L": L, "seed": seed,
+               {"layers": layers, "pages": pages, "page_size": page_size, "D": D, "bs": bs, "L": L, "N": n_rows,
+                "seed": seed,
                 "description": description})
     return cache, out
 

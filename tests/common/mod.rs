@@ -5,9 +5,13 @@ use std::path::PathBuf;
 
 use kdtree_engine::fixture::Fixture;
 
-/// The `fixtures/` directory of this crate.
+/// The `fixtures/` directory: `$KDTREE_FIXTURES` when set (test binaries copied to another machine),
+/// else the crate's own.
 pub fn fixtures_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+    match std::env::var_os("KDTREE_FIXTURES") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures"),
+    }
 }
 
 /// Every case of `kernel`; fails the test if there are none (a missing fixture set must not pass).

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Builds the CUDA test and bench binaries (release, no debug info) and copies them into gpu-pack/
+# (git-ignored), ready to travel to the GPU machine, where scripts/gpu-run.sh runs them.
+# Needs NVCC (scripts/install-nvcc.sh). Usage: scripts/gpu-pack.sh [extra cargo features]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${NVCC:?set NVCC to the nvcc that scripts/install-nvcc.sh printed}"
+features="cuda-13000${1:+,$1}"
+rm -rf gpu-pack && mkdir -p gpu-pack/tests gpu-pack/benches
+copy_executables() { # $1: destination; stdin: cargo's JSON messages
+    python3 -c '
+import json, shutil, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    exe = msg.get("executable")
+    if msg.get("reason") == "compiler-artifact" and exe and msg["target"]["kind"] != ["custom-build"]:
+        shutil.copy(exe, sys.argv[1] + "/" + msg["target"]["name"])
+        print(sys.argv[1] + "/" + msg["target"]["name"])
+' "$1"
+}
+cargo test --release --features "$features" --no-run --message-format=json 2>/dev/null | copy_executables gpu-pack/tests
+cargo bench --features "$features" --no-run --message-format=json 2>/dev/null | copy_executables gpu-pack/benches
+rm -f gpu-pack/tests/kdtree_engine gpu-pack/benches/kdtree_engine
+du -sh gpu-pack
