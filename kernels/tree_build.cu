@@ -143,16 +143,19 @@ __device__ void build_one(const int* __restrict__ top_ids, const float* __restri
     }
 
     for (int i = lane; i < n_rows; i += 32) {
-        bool valid = i <= n;
+        if (i > n) {  // padding row: its node_info was never written
+            node_token[i] = node_depth[i] = parent_out[i] = -1;
+            first_child_out[i] = next_sibling_out[i] = position_out[i] = -1;
+            continue;
+        }
         uint32_t info = s.node_info[i];
         int d = i == 0 ? 0 : info_depth(info);
-        int token = i == 0 ? root_token : top_ids[(d - 1) * k + info_rank(info)];
-        node_token[i] = valid ? token : -1;
-        node_depth[i] = valid ? d : -1;
-        parent_out[i] = valid ? (i == 0 ? -1 : info_parent(info)) : -1;
-        first_child_out[i] = valid ? s.first_child[i] : -1;
-        next_sibling_out[i] = valid ? s.next_sibling[i] : -1;
-        position_out[i] = valid ? seq_len + d : -1;
+        node_token[i] = i == 0 ? root_token : top_ids[(d - 1) * k + info_rank(info)];
+        node_depth[i] = d;
+        parent_out[i] = i == 0 ? -1 : info_parent(info);
+        first_child_out[i] = s.first_child[i];
+        next_sibling_out[i] = s.next_sibling[i];
+        position_out[i] = seq_len + d;
     }
     for (int i = lane; i < n_rows * words; i += 32) vis_out[i] = (i / words) <= n ? s.vis[i] : 0u;
     flags = __reduce_or_sync(0xFFFFFFFFu, flags);

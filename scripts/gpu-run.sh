@@ -2,12 +2,14 @@
 # Runs on the GPU machine from the repository root, after scripts/gpu-pack.sh built gpu-pack/ here:
 # every GPU test, compute-sanitizer memcheck and racecheck over the fixture tests, then the benches.
 # Logs and the criterion results go under $OUT (default ./gpu-out); a short table is printed last.
-# Usage: scripts/gpu-run.sh [tests|sanitize|bench]...   (default: all three)
+# Usage: scripts/gpu-run.sh [tests|sanitize|bench|bench:NAME]...   (default: tests sanitize bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-out}
-mkdir -p "$out"
+logs=$out/logs
+mkdir -p "$logs"
 export KDTREE_FIXTURES=$PWD/fixtures
+export CRITERION_HOME=$PWD/target/criterion
 steps=${*:-tests sanitize bench}
 summary=()
 
@@ -15,7 +17,7 @@ run_tests() {
     for t in gpu-pack/tests/*; do
         local name log
         name=$(basename "$t")
-        log="$out/test-$name.log"
+        log="$logs/test-$name.log"
         "$t" --test-threads 4 >"$log" 2>&1
         summary+=("test $name: exit $? | $(grep -h '^test result' "$log" | tail -1)")
     done
@@ -26,30 +28,31 @@ run_sanitizer() {
     for t in gpu-pack/tests/*; do
         local name log
         name=$(basename "$t")
-        log="$out/$tool-$name.log"
+        log="$logs/$tool-$name.log"
         compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" gpu_matches_every_fixture --test-threads 1 >"$log" 2>&1
         summary+=("$tool $name: exit $? | $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$log" | tail -1)")
     done
 }
 
-run_benches() {
-    for b in gpu-pack/benches/*; do
-        local name
-        name=$(basename "$b")
-        "$b" --bench >"$out/bench-$name.log" 2>&1
-        summary+=("bench $name: exit $?")
-    done
-    tar -czf "$out/criterion.tar.gz" -C target criterion 2>/dev/null
+run_bench() {
+    local name=$1
+    gpu-pack/benches/"$name" --bench >"$logs/bench-$name.log" 2>&1
+    summary+=("bench $name: exit $?")
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$out/gpu.txt" 2>&1
+date -u >>"$out/gpu.txt"
 for step in $steps; do
     case $step in
         tests) run_tests ;;
         sanitize) run_sanitizer memcheck; run_sanitizer racecheck ;;
-        bench) run_benches ;;
+        bench) for b in gpu-pack/benches/*; do run_bench "$(basename "$b")"; done ;;
+        bench:*) run_bench "${step#bench:}" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
 done
-cat "$out/gpu.txt"
-printf '%s\n' "${summary[@]}"
+[ -d target/criterion ] && tar -czf "$out/criterion.tar.gz" -C target criterion
+tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$logs"
+printf '%s\n' "${summary[@]}" >"$out/summary.txt"
+cat "$out/gpu.txt" "$out/summary.txt"
+[ -d target/criterion ] && python3 benches/report.py target/criterion

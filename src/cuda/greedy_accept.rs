@@ -87,7 +87,7 @@ impl AcceptPlan {
     }
 
     /// Queues argmax + walk over `target_logits [bs, N, V]` for the trees in `tree`.
-    pub fn run(&mut self, gpu: &Gpu, tree: &DeviceTree, logits: DeviceLogits, out: &mut DeviceAcceptance) -> Result<()> {
+    pub fn run(&mut self, gpu: &Gpu, tree: &DeviceTree, logits: &DeviceLogits, out: &mut DeviceAcceptance) -> Result<()> {
         let s = self.shape;
         if tree.shape != s || out.shape != s {
             return Err(Error::param("tree", format!("{:?}", tree.shape), format!("the plan was made for {s:?}")));
@@ -148,7 +148,7 @@ impl Gpu {
         let mut plan = AcceptPlan::new(self, s, vocab)?;
         let mut out = DeviceAcceptance::alloc(self, s)?;
         let logits = self.upload_logits(target_logits)?;
-        plan.run(self, &dev_tree, logits.view(), &mut out)?;
+        plan.run(self, &dev_tree, &logits.view(), &mut out)?;
         out.to_host(self)
     }
 

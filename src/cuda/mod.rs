@@ -14,7 +14,8 @@ pub mod tree_build;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits,
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DeviceRepr, DriverError,
+    ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
@@ -41,13 +42,13 @@ pub fn device_available() -> bool {
     CudaContext::device_count().map(|n| n > 0).unwrap_or(false)
 }
 
-/// Logits on the device, f32 or bf16, row-major.
-#[derive(Clone, Copy, Debug)]
+/// Logits on the device, f32 or bf16, row-major: a view, so a prefix of a larger buffer works too.
+#[derive(Debug)]
 pub enum DeviceLogits<'a> {
     /// 32-bit floats.
-    F32(&'a CudaSlice<f32>),
+    F32(CudaView<'a, f32>),
     /// bfloat16.
-    Bf16(&'a CudaSlice<bf16>),
+    Bf16(CudaView<'a, bf16>),
 }
 
 impl DeviceLogits<'_> {
@@ -77,8 +78,8 @@ impl OwnedDeviceLogits {
     /// Borrowed view.
     pub fn view(&self) -> DeviceLogits<'_> {
         match self {
-            OwnedDeviceLogits::F32(x) => DeviceLogits::F32(x),
-            OwnedDeviceLogits::Bf16(x) => DeviceLogits::Bf16(x),
+            OwnedDeviceLogits::F32(x) => DeviceLogits::F32(x.as_view()),
+            OwnedDeviceLogits::Bf16(x) => DeviceLogits::Bf16(x.as_view()),
         }
     }
 }

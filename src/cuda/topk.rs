@@ -88,7 +88,7 @@ impl TopKPlan {
     }
 
     /// Queues top-K of `rows` rows (at most the plan's) of `logits [rows, vocab]` into `out`.
-    pub fn run(&mut self, gpu: &Gpu, logits: DeviceLogits, rows: usize, out: &mut DeviceTopK) -> Result<()> {
+    pub fn run(&mut self, gpu: &Gpu, logits: &DeviceLogits, rows: usize, out: &mut DeviceTopK) -> Result<()> {
         if rows == 0 || rows > self.rows || out.rows < rows || out.k != self.k {
             return Err(Error::param("rows", rows, format!("must be in 1..={} with outputs from this plan", self.rows)));
         }
@@ -134,7 +134,7 @@ impl Gpu {
         let mut plan = TopKPlan::new(self, rows, vocab, k)?;
         let mut out = plan.alloc_output(self)?;
         let dev = self.upload_logits(logits)?;
-        plan.run(self, dev.view(), rows, &mut out)?;
+        plan.run(self, &dev.view(), rows, &mut out)?;
         out.to_host(self, bs, depth)
     }
 }

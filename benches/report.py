@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Turns criterion results (target/criterion) into the markdown tables of BENCHMARKS.md.
+
+Usage: benches/report.py CRITERION_DIR [--into BENCHMARKS.md --title "..."]
+Without --into the tables go to stdout. With it, they replace the block between the lines
+`<!-- bench:<title>:begin -->` and `<!-- bench:<title>:end -->` (appended when absent).
+GB/s counts the logits read once; the copy ceiling counts bytes read plus written, as the issue asks.
+"""
+import argparse
+import json
+import pathlib
+import re
+
+DTYPE_BYTES = {"f32": 4, "bf16": 2}
+DEPTH = 15
+
+
+def median_ns(path):
+    return json.loads(path.read_text())["median"]["point_estimate"]
+
+
+def load(root):
+    """{(group, function, parameter): median ns} for every benchmark under root."""
+    out = {}
+    for est in root.glob("*/*/*/new/estimates.json"):
+        parameter, function, group = est.parts[-3], est.parts[-4], est.parts[-5]
+        out[(group, function, parameter)] = median_ns(est)
+    return out
+
+
+def params(p):
+    return {k: int(v) for k, v in re.findall(r"([a-z]+)(\d+)", p)}
+
+
+def fmt_time(ns):
+    return f"{ns / 1e6:.2f} ms" if ns >= 1e6 else f"{ns / 1e3:.1f} µs"
+
+
+def copy_ceiling(res, label):
+    ns = res.get(("copy", "d2d", label))
+    return None if ns is None else 2 * (1 << 30) / ns  # bytes per ns = GB/s
+
+
+def bandwidth_table(res, group, rows_of, title):
+    ceiling = copy_ceiling(res, group)
+    lines = [f"### {title}", ""]
+    if ceiling:
+        lines += [f"Device-to-device copy in the same run: **{ceiling:.0f} GB/s** (read + write).", ""]
+    lines += ["| bs | B | V | CPU f32 | GPU f32 | speedup | GB/s | % copy | GPU bf16 | GB/s | % copy |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    keys = sorted({p for (g, _, p) in res if g == group}, key=lambda p: (-params(p)["v"], params(p)["b"], params(p)["bs"]))
+    for p in keys:
+        q = params(p)
+        rows = rows_of(q)
+        cells = [str(q["bs"]), str(q["b"]), str(q["v"])]
+        cpu = res.get((group, "cpu_f32", p))
+        cells.append(fmt_time(cpu) if cpu else "–")
+        for i, dtype in enumerate(["f32", "bf16"]):
+            gpu = res.get((group, f"gpu_{dtype}", p))
+            if gpu is None:
+                cells += ["–"] * (3 if i else 4)
+                continue
+            gbs = rows * q["v"] * DTYPE_BYTES[dtype] / gpu
+            cells.append(fmt_time(gpu))
+            if i == 0:
+                cells.append(f"{cpu / gpu:.0f}x" if cpu else "–")
+            cells += [f"{gbs:.0f}", f"{100 * gbs / ceiling:.0f}%" if ceiling else "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def tree_table(res):
+    lines = ["### tree_build (given top-K, L 15)", "", "| bs | B | CPU | GPU | speedup |", "|---:|---:|---:|---:|---:|"]
+    keys = sorted({p for (g, _, p) in res if g == "tree_build"}, key=lambda p: (params(p)["b"], params(p)["bs"]))
+    for p in keys:
+        q = params(p)
+        cpu, gpu = res.get(("tree_build", "cpu", p)), res.get(("tree_build", "gpu", p))
+        speed = f"{cpu / gpu:.0f}x" if cpu and gpu else "–"
+        lines.append(f"| {q['bs']} | {q['b']} | {fmt_time(cpu) if cpu else '–'} | {fmt_time(gpu) if gpu else '–'} | {speed} |")
+    return lines
+
+
+def render(res):
+    lines = []
+    if any(g == "topk" for (g, _, _) in res):
+        lines += bandwidth_table(res, "topk", lambda q: q["bs"] * DEPTH, "topk + logsumexp (L 15, K = B)") + [""]
+    if any(g == "tree_build" for (g, _, _) in res):
+        lines += tree_table(res) + [""]
+    if any(g == "greedy_accept" for (g, _, _) in res):
+        lines += bandwidth_table(res, "greedy_accept", lambda q: q["bs"] * (q["b"] + 1),
+                                 "greedy_accept: argmax + walk (N = B + 1 rows, all valid)") + [""]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("criterion_dir", type=pathlib.Path)
+    ap.add_argument("--into", type=pathlib.Path)
+    ap.add_argument("--title", default="tables")
+    args = ap.parse_args()
+    tables = render(load(args.criterion_dir))
+    if not args.into:
+        print(tables)
+        return
+    begin, end = f"<!-- bench:{args.title}:begin -->", f"<!-- bench:{args.title}:end -->"
+    doc = args.into.read_text() if args.into.exists() else ""
+    block = f"{begin}\n{tables}\n{end}"
+    if begin in doc and end in doc:
+        doc = doc[: doc.index(begin)] + block + doc[doc.index(end) + len(end):]
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
+    args.into.write_text(doc)
+
+
+if __name__ == "__main__":
+    main()
