@@ -50,7 +50,12 @@ __device__ __forceinline__ float expd(float d) {
     const float log2e = __uint_as_float(0x3FB8AA3Bu);
     const float ln2_hi = __uint_as_float(0x3F317200u);
     const float ln2_lo = __uint_as_float(0x35BFBE8Eu);
-    float k = rintf(__fmul_rn(d, log2e));
+    // rint by the 1.5 * 2^23 trick: same value as rintf (round half to even) for |x| < 2^22, and k's
+    // integer falls out of the sum's bits, with no conversion instruction.
+    const float magic = 12582912.0f;
+    const float km = __fadd_rn(__fmul_rn(d, log2e), magic);
+    const float k = __fsub_rn(km, magic);
+    const int ki = __float_as_int(km) - 0x4B400000;
     float r = __fsub_rn(d, __fmul_rn(k, ln2_hi));
     r = __fsub_rn(r, __fmul_rn(k, ln2_lo));
     const uint32_t coeff[7] = {0x3AB60B61u, 0x3C088889u, 0x3D2AAAABu, 0x3E2AAAABu,
@@ -58,7 +63,7 @@ __device__ __forceinline__ float expd(float d) {
     float p = __uint_as_float(0x39500D01u);
 #pragma unroll
     for (int i = 0; i < 7; ++i) p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(coeff[i]));
-    float scale = __uint_as_float((uint32_t)((int)k + 127) << 23);
+    float scale = __uint_as_float((uint32_t)(ki + 127) << 23);
     return __fmul_rn(p, scale);
 }
 

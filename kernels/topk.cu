@@ -15,6 +15,8 @@ constexpr int CHUNK_ITEMS = CHUNK / THREADS;  // per thread, in registers
 constexpr int MERGE_ITEMS = 16;
 constexpr int MERGE_SLOTS = MERGE_ITEMS * THREADS;
 constexpr int MAX_K = 512;
+constexpr int CAP = 2048;  // candidates kept in shared memory; more take the register-resident path
+constexpr int CAP_ITEMS = CAP / THREADS;
 
 typedef cub::BlockScan<unsigned int, THREADS> Scan;
 typedef cub::BlockReduce<u64, THREADS> ReduceU64;
@@ -72,6 +74,17 @@ template <int ITEMS>
 struct PlainKeys {
     u64 key[ITEMS];
     __device__ __forceinline__ u64 get(int i) const { return key[i]; }
+};
+
+// Candidates gathered into shared memory: slot i * THREADS + tid of the first n.
+template <int ITEMS>
+struct SmemKeys {
+    const u64* buf;
+    unsigned int n;
+    __device__ __forceinline__ u64 get(int i) const {
+        unsigned int idx = i * THREADS + threadIdx.x;
+        return idx < n ? buf[idx] : 0ull;
+    }
 };
 
 // Radix select over distinct u64 keys held in registers (0 = empty). Among keys >= lo (lo > 0, at least K
@@ -169,10 +182,52 @@ __device__ unsigned int select_top(const Keys& keys, int k_wanted, u64 lo_hint, 
     return block_compact<ITEMS>(keys, lo, shift, t, false, out, s);
 }
 
+// A key L such that at least K non-empty keys are >= L (1 when there are fewer than K). Duplicates are
+// fine: only the bound matters, not which keys reach it.
+template <int ITEMS, typename Keys>
+__device__ u64 kth_lower_bound(const Keys& keys, int k_wanted, SelectSmem& s) {
+    u64 local_max = 0, local_min = ~0ull, local_n = 0;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        u64 k = keys.get(i);
+        if (k != 0) {
+            local_max = max(local_max, k);
+            local_min = min(local_min, k);
+            ++local_n;
+        }
+    }
+    u64 n = block_sum(local_n, s);
+    if (n < (u64)k_wanted) return 1;
+    u64 hi = block_max(local_max, s), lo = block_min(local_min, s);
+    if (n == (u64)k_wanted) return lo;
+    int shift;
+    u64 t;
+    block_select<ITEMS>(keys, k_wanted, lo, hi, s, shift, t);
+    return max(t, 1ull);
+}
+
 struct ChunkSmem {
     SelectSmem sel;
     u64 picked[MAX_K];
+    u64 cand[CAP];
 };
+
+// Copies the keys whose value part is >= lo_value into buf (when they fit in CAP); returns their count.
+template <int ITEMS, typename Keys>
+__device__ unsigned int gather_candidates(const Keys& keys, uint32_t lo_value, u64* buf, SelectSmem& s) {
+    unsigned int mine = 0;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) mine += keys.value[i] != 0 && keys.value[i] >= lo_value;
+    unsigned int offset, total;
+    Scan(s.scan).ExclusiveSum(mine, offset, total);
+    if (total <= (unsigned)CAP) {
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i)
+            if (keys.value[i] != 0 && keys.value[i] >= lo_value) buf[offset++] = keys.get(i);
+    }
+    __syncthreads();
+    return total;
+}
 
 // Loads item i of this thread: element (i * THREADS + tid) of the chunk, 16-byte vectors when aligned.
 template <typename T>
@@ -241,21 +296,36 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
     const u64 sum = block_sum(local_sum, sm.sel);
     flags = __syncthreads_or(flags);
 
-    // Lower bound for the K-th key: split the chunk into >= K groups; each group's max is a distinct
-    // element, so at least K keys reach the smallest group max.
-    u64 lo_hint = 1;
-    if (len == CHUNK) {
-        constexpr int HALF = CHUNK_ITEMS / 2;
-        u64 g0 = 0, g1 = 0;
+    // A lower bound for the chunk's K-th value: the K-th largest of G >= K group maxima (each a distinct
+    // element). Groups of 32, 16 or 8 items as K grows keep the bound tight, so only about K to 3K
+    // candidates reach the exact selection in shared memory.
+    PlainKeys<4> groups;
 #pragma unroll
-        for (int i = 0; i < HALF; ++i) g0 = max(g0, keys.get(i));
+    for (int g = 0; g < 4; ++g) {
+        uint32_t m8 = 0;
 #pragma unroll
-        for (int i = HALF; i < CHUNK_ITEMS; ++i) g1 = max(g1, keys.get(i));
-        u64 mine = k_wanted <= THREADS ? max(g0, g1) : min(g0, g1);
-        lo_hint = block_min(mine, sm.sel);
+        for (int i = 8 * g; i < 8 * g + 8; ++i) m8 = max(m8, keys.value[i]);
+        groups.key[g] = (u64)m8 << 32;
     }
+    if (k_wanted <= 2 * THREADS) {
+        groups.key[0] = max(groups.key[0], groups.key[1]);
+        groups.key[2] = max(groups.key[2], groups.key[3]);
+        groups.key[1] = groups.key[3] = 0;
+    }
+    if (k_wanted <= THREADS / 2) {
+        groups.key[0] = max(groups.key[0], groups.key[2]);
+        groups.key[2] = 0;
+    }
+    const u64 lo_hint = kth_lower_bound<4>(groups, k_wanted, sm.sel);
 
-    unsigned int n = select_top<CHUNK_ITEMS>(keys, k_wanted, lo_hint, sm.picked, sm.sel);
+    const unsigned int n_cand = gather_candidates<CHUNK_ITEMS>(keys, (uint32_t)(lo_hint >> 32), sm.cand, sm.sel);
+    unsigned int n;
+    if (n_cand <= (unsigned)CAP) {
+        SmemKeys<CAP_ITEMS> cand{sm.cand, n_cand};
+        n = select_top<CAP_ITEMS>(cand, k_wanted, 1, sm.picked, sm.sel);
+    } else {
+        n = select_top<CHUNK_ITEMS>(keys, k_wanted, lo_hint, sm.picked, sm.sel);  // e.g. many equal logits
+    }
     size_t slot = (size_t)row * chunks + chunk;
     u64* out = cand + slot * k_wanted;
     u64 local_kth = ~0ull;
@@ -277,9 +347,33 @@ struct MergeSmem {
     SelectSmem sel;
     u64 acc[MAX_K];
     u64 next[MAX_K];
+    u64 cand[CAP];
     float lse;
     int flags;
 };
+
+// Copies the chunk candidates >= lo into buf (up to CAP, unordered); returns how many there are.
+__device__ unsigned int gather_row_candidates(const u64* row_cand, int total, u64 lo, u64* buf, SelectSmem& s) {
+    if (threadIdx.x == 0) s.count = 0;
+    __syncthreads();
+    const unsigned lane = threadIdx.x & 31;
+    for (int base = 0; base < total; base += THREADS) {
+        int f = base + threadIdx.x;
+        u64 k = f < total ? row_cand[f] : 0ull;
+        bool sel = k != 0 && k >= lo;
+        unsigned mask = __ballot_sync(0xFFFFFFFFu, sel);
+        if (mask == 0) continue;
+        int leader = __ffs(mask) - 1;
+        unsigned at = 0;
+        if ((int)lane == leader) at = atomicAdd(&s.count, (unsigned)__popc(mask));
+        at = __shfl_sync(0xFFFFFFFFu, at, leader) + __popc(mask & ((1u << lane) - 1));
+        if (sel && at < (unsigned)CAP) buf[at] = k;
+    }
+    __syncthreads();
+    unsigned int n = s.count;
+    __syncthreads();
+    return n;
+}
 
 // The row's lse from the chunks' (max, fixed-point sum), in chunk order and float64, as the contract says.
 __device__ void combine_lse(const float* chunk_max, const u64* chunk_sum, const int* chunk_flags, int chunks,
@@ -318,21 +412,28 @@ __device__ void merge_kernel(const u64* __restrict__ cand, const float* __restri
 
     const u64* row_cand = cand + first * k_wanted;
     const int total = chunks * k_wanted;
+    unsigned int n_cand = gather_row_candidates(row_cand, total, lo_hint, sm.cand, sm.sel);
     unsigned int acc_n = 0;
-    for (int pos = 0; pos < total;) {
-        const int fresh = MERGE_SLOTS - (int)acc_n;
-        PlainKeys<MERGE_ITEMS> keys;
+    if (n_cand <= (unsigned)CAP) {
+        SmemKeys<CAP_ITEMS> keys{sm.cand, n_cand};
+        acc_n = select_top<CAP_ITEMS>(keys, k_wanted, 1, sm.acc, sm.sel);
+    } else {
+        // Too many candidates for shared memory: fold them in register tiles, keeping the best K.
+        for (int pos = 0; pos < total;) {
+            const int fresh = MERGE_SLOTS - (int)acc_n;
+            PlainKeys<MERGE_ITEMS> keys;
 #pragma unroll
-        for (int i = 0; i < MERGE_ITEMS; ++i) {
-            int s = i * THREADS + threadIdx.x;
-            int f = pos + s - (int)acc_n;
-            keys.key[i] = s < (int)acc_n ? sm.acc[s] : (f < total ? row_cand[f] : 0ull);
+            for (int i = 0; i < MERGE_ITEMS; ++i) {
+                int s = i * THREADS + threadIdx.x;
+                int f = pos + s - (int)acc_n;
+                keys.key[i] = s < (int)acc_n ? sm.acc[s] : (f < total ? row_cand[f] : 0ull);
+            }
+            pos += fresh;
+            __syncthreads();
+            acc_n = select_top<MERGE_ITEMS>(keys, k_wanted, lo_hint, sm.next, sm.sel);
+            for (unsigned int i = threadIdx.x; i < acc_n; i += THREADS) sm.acc[i] = sm.next[i];
+            __syncthreads();
         }
-        pos += fresh;
-        __syncthreads();
-        acc_n = select_top<MERGE_ITEMS>(keys, k_wanted, lo_hint, sm.next, sm.sel);
-        for (unsigned int i = threadIdx.x; i < acc_n; i += THREADS) sm.acc[i] = sm.next[i];
-        __syncthreads();
     }
 
     // Keys are distinct, so a key's rank is the number of larger keys.
@@ -354,13 +455,13 @@ __device__ void merge_kernel(const u64* __restrict__ cand, const float* __restri
 }  // namespace topk
 }  // namespace kdt
 
-extern "C" __global__ void __launch_bounds__(kdt::topk::THREADS)
+extern "C" __global__ void __launch_bounds__(kdt::topk::THREADS, 3)
     topk_chunk_f32(const float* logits, int vocab, int k, kdt::u64* cand, float* chunk_max, kdt::u64* chunk_sum,
                    kdt::u64* chunk_kth, int* chunk_flags) {
     kdt::topk::chunk_kernel<float>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags);
 }
 
-extern "C" __global__ void __launch_bounds__(kdt::topk::THREADS)
+extern "C" __global__ void __launch_bounds__(kdt::topk::THREADS, 3)
     topk_chunk_bf16(const __nv_bfloat16* logits, int vocab, int k, kdt::u64* cand, float* chunk_max,
                     kdt::u64* chunk_sum, kdt::u64* chunk_kth, int* chunk_flags) {
     kdt::topk::chunk_kernel<__nv_bfloat16>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags);

@@ -1,9 +1,9 @@
 // DDTree best-first tree build (DESIGN.md §4.1 step 2-3; exact contract in reference/README.md).
 //
-// One warp per request, everything in shared memory, no host round trip and no allocation. Each step the
-// warp finds the best frontier candidate (largest logw, then smallest push number) with two warp
-// reductions, appends it as the next row, and pushes its next sibling and first child. The visibility row
-// of a new node is its parent's row plus its own bit, built as the node is appended.
+// One warp per request, everything in shared memory, no host round trip and no allocation. Each lane
+// keeps the best of the frontier slots it owns; each step two warp reductions find the best candidate
+// (largest logw, then earliest push), which is appended as the next row, and its next sibling and first
+// child are pushed. The visibility row of a new node is its parent's row plus its own bit.
 #include "common.cuh"
 
 namespace kdt {
@@ -17,27 +17,29 @@ __device__ __forceinline__ int info_parent(uint32_t v) { return (int)(v >> 20); 
 __device__ __forceinline__ int info_depth(uint32_t v) { return (int)((v >> 12) & 0xFF); }
 __device__ __forceinline__ int info_rank(uint32_t v) { return (int)(v & 0xFFF); }
 
+// Shared memory of one request. Frontier slots are never reused: slot s holds the s-th push, so the
+// push number (the tie-break) is the slot index, and slot s belongs to lane s % 32, the only lane that
+// ever reads or writes it. That removes every cross-lane dependency from the pop loop.
 struct Layout {
     float* logp;          // [L*K] this request's top_logp
-    float* front_logw;    // [N] frontier
-    uint32_t* front_seq;  // [N]
-    uint32_t* front_info; // [N]
-    float* node_logw;     // [N]
-    uint32_t* node_info;  // [N] parent / depth / rank of each row
-    int* first_child;     // [N]
-    int* next_sibling;    // [N]
-    int* last_child;      // [N]
-    uint32_t* vis;        // [N*W]
+    uint32_t* slot_key;   // [2N] order key of the candidate's logw; 0 once popped
+    float* slot_base;     // [2N] logw of the candidate's parent (for its next sibling)
+    uint32_t* slot_info;  // [2N] parent / depth / rank
+    uint32_t* node_info;  // [N] parent / depth / rank of each row (lane 0)
+    int* first_child;     // [N] (lane 0 in the loop)
+    int* next_sibling;    // [N] (lane 0)
+    int* last_child;      // [N] (lane 0)
+    uint32_t* vis;        // [N*W] word w of every row belongs to lane w % 32
 };
 
-__device__ Layout carve(char* smem, int lk, int n_rows, int words) {
+__device__ Layout carve(char* smem, int lk, int n_rows) {
     Layout s;
+    const int slots = 2 * n_rows;
     s.logp = reinterpret_cast<float*>(smem);
-    s.front_logw = s.logp + lk;
-    s.front_seq = reinterpret_cast<uint32_t*>(s.front_logw + n_rows);
-    s.front_info = s.front_seq + n_rows;
-    s.node_logw = reinterpret_cast<float*>(s.front_info + n_rows);
-    s.node_info = reinterpret_cast<uint32_t*>(s.node_logw + n_rows);
+    s.slot_key = reinterpret_cast<uint32_t*>(s.logp + lk);
+    s.slot_base = reinterpret_cast<float*>(s.slot_key + slots);
+    s.slot_info = reinterpret_cast<uint32_t*>(s.slot_base + slots);
+    s.node_info = s.slot_info + slots;
     s.first_child = reinterpret_cast<int*>(s.node_info + n_rows);
     s.next_sibling = s.first_child + n_rows;
     s.last_child = s.next_sibling + n_rows;
@@ -45,23 +47,36 @@ __device__ Layout carve(char* smem, int lk, int n_rows, int words) {
     return s;
 }
 
-// Warp-wide: the frontier slot holding the largest (logw, -seq). All lanes get the same answer.
-__device__ __forceinline__ int best_slot(const Layout& s, int frontier) {
-    const int lane = threadIdx.x;
-    uint32_t best_hi = 0, best_lo = 0;
-    int best = -1;
-    for (int i = lane; i < frontier; i += 32) {
-        uint32_t hi = order_key(s.front_logw[i]), lo = ~s.front_seq[i];
-        if (best < 0 || hi > best_hi || (hi == best_hi && lo > best_lo)) {
-            best_hi = hi;
-            best_lo = lo;
-            best = i;
+// A lane's best live candidate among its own slots (key 0: none).
+struct LaneBest {
+    uint32_t key;
+    int slot;
+    float base;
+    uint32_t info;
+
+    __device__ __forceinline__ void offer(uint32_t k, int sl, float b, uint32_t inf) {
+        if (k > key || (k == key && k != 0 && sl < slot)) {
+            key = k;
+            slot = sl;
+            base = b;
+            info = inf;
         }
     }
-    uint32_t top_hi = __reduce_max_sync(0xFFFFFFFFu, best >= 0 ? best_hi : 0u);
-    uint32_t top_lo = __reduce_max_sync(0xFFFFFFFFu, (best >= 0 && best_hi == top_hi) ? best_lo : 0u);
-    unsigned winners = __ballot_sync(0xFFFFFFFFu, best >= 0 && best_hi == top_hi && best_lo == top_lo);
-    return __shfl_sync(0xFFFFFFFFu, best, __ffs(winners) - 1);
+
+    __device__ void rescan(const Layout& s, int pushed) {
+        key = 0;
+        slot = 0;
+        for (int i = threadIdx.x; i < pushed; i += 32) offer(s.slot_key[i], i, s.slot_base[i], s.slot_info[i]);
+    }
+};
+
+__device__ __forceinline__ void push(const Layout& s, LaneBest& best, int slot, float logw, float base, uint32_t info) {
+    if ((slot & 31) != (int)threadIdx.x) return;
+    uint32_t key = order_key(logw);
+    s.slot_key[slot] = key;
+    s.slot_base[slot] = base;
+    s.slot_info[slot] = info;
+    best.offer(key, slot, base, info);
 }
 
 __device__ void build_one(const int* __restrict__ top_ids, const float* __restrict__ top_logp, int root_token,
@@ -71,7 +86,7 @@ __device__ void build_one(const int* __restrict__ top_ids, const float* __restri
     extern __shared__ __align__(16) char smem[];
     const int lane = threadIdx.x;
     const int n_rows = budget + 1, words = (n_rows + 31) / 32, lk = depth_max * k;
-    Layout s = carve(smem, lk, n_rows, words);
+    Layout s = carve(smem, lk, n_rows);
 
     int flags = 0;
     for (int i = lane; i < lk; i += 32) {
@@ -79,68 +94,45 @@ __device__ void build_one(const int* __restrict__ top_ids, const float* __restri
         flags |= isnan(v) ? STATUS_NAN : 0;
         s.logp[i] = v;
     }
-    for (int i = lane; i < n_rows; i += 32) {
-        s.first_child[i] = -1;
-        s.next_sibling[i] = -1;
-        s.last_child[i] = -1;
-    }
+    for (int i = lane; i < n_rows; i += 32) s.first_child[i] = s.next_sibling[i] = s.last_child[i] = -1;
     for (int w = lane; w < words; w += 32) s.vis[w] = w == 0 ? 1u : 0u;
-    if (lane == 0) {
-        s.node_logw[0] = 0.0f;
-        s.node_info[0] = 0;
-        s.front_logw[0] = __fadd_rn(0.0f, s.logp[0]);
-        s.front_seq[0] = 0;
-        s.front_info[0] = pack_info(0, 1, 0);
-    }
     __syncwarp();
 
-    int n = 0, frontier = 1;
-    uint32_t next_seq = 1;
-    while (n < budget && frontier > 0) {
-        const int slot = best_slot(s, frontier);
-        const float logw = s.front_logw[slot];
-        const uint32_t info = s.front_info[slot];
+    LaneBest best{0, 0, 0.0f, 0};
+    push(s, best, 0, __fadd_rn(0.0f, s.logp[0]), 0.0f, pack_info(0, 1, 0));
+    int n = 0, pushed = 1;
+    while (n < budget) {
+        // The best candidate: largest key, then smallest slot (= earliest push). Its owner is slot % 32.
+        const uint32_t top_key = __reduce_max_sync(0xFFFFFFFFu, best.key);
+        if (top_key == 0) break;
+        const uint32_t top_slot = ~__reduce_max_sync(0xFFFFFFFFu, best.key == top_key ? ~(uint32_t)best.slot : 0u);
+        const int owner = top_slot & 31;
+        const float logw = key_value(top_key);
+        const float base = __shfl_sync(0xFFFFFFFFu, best.base, owner);
+        const uint32_t info = __shfl_sync(0xFFFFFFFFu, best.info, owner);
         const int p = info_parent(info), d = info_depth(info), r = info_rank(info);
         const int row = ++n;
-        const int last = frontier - 1;
-        const float last_logw = s.front_logw[last];
-        const uint32_t last_seq = s.front_seq[last], last_info = s.front_info[last];
-        const float parent_logw = s.node_logw[p];
-        const int prev_child = s.last_child[p];
-        __syncwarp();
+
+        const bool sibling = r + 1 < k, child = d < depth_max;
+        if (lane == owner) s.slot_key[top_slot] = 0;
+        if (sibling) push(s, best, pushed, __fadd_rn(base, s.logp[(d - 1) * k + r + 1]), base, pack_info(p, d, r + 1));
+        if (child) push(s, best, pushed + sibling, __fadd_rn(logw, s.logp[d * k]), logw, pack_info(row, d + 1, 0));
+        pushed += (int)sibling + (int)child;
+        if (lane == owner) best.rescan(s, pushed);
+
         for (int w = lane; w < words; w += 32) {
             uint32_t bit = (w == row / 32) ? (1u << (row % 32)) : 0u;
             s.vis[row * words + w] = s.vis[p * words + w] | bit;
         }
         if (lane == 0) {
-            s.node_logw[row] = logw;
             s.node_info[row] = info;
-            if (prev_child < 0) s.first_child[p] = row;
-            else s.next_sibling[prev_child] = row;
+            int prev = s.last_child[p];
+            if (prev < 0) s.first_child[p] = row;
+            else s.next_sibling[prev] = row;
             s.last_child[p] = row;
-            // Fill the hole with the last entry, then push sibling and child in that order.
-            s.front_logw[slot] = last_logw;
-            s.front_seq[slot] = last_seq;
-            s.front_info[slot] = last_info;
-            int f = last;
-            if (r + 1 < k) {
-                s.front_logw[f] = __fadd_rn(parent_logw, s.logp[(d - 1) * k + r + 1]);
-                s.front_seq[f] = next_seq++;
-                s.front_info[f] = pack_info(p, d, r + 1);
-                ++f;
-            }
-            if (d < depth_max) {
-                s.front_logw[f] = __fadd_rn(logw, s.logp[d * k]);
-                s.front_seq[f] = next_seq++;
-                s.front_info[f] = pack_info(row, d + 1, 0);
-                ++f;
-            }
         }
-        // Every lane tracks the frontier size and push counter the same way lane 0 does.
-        frontier = last + (r + 1 < k ? 1 : 0) + (d < depth_max ? 1 : 0);
-        next_seq += lane == 0 ? 0 : (r + 1 < k ? 1 : 0) + (d < depth_max ? 1 : 0);
-        __syncwarp();
     }
+    __syncwarp();
 
     for (int i = lane; i < n_rows; i += 32) {
         if (i > n) {  // padding row: its node_info was never written
@@ -148,7 +140,7 @@ __device__ void build_one(const int* __restrict__ top_ids, const float* __restri
             first_child_out[i] = next_sibling_out[i] = position_out[i] = -1;
             continue;
         }
-        uint32_t info = s.node_info[i];
+        uint32_t info = i == 0 ? 0u : s.node_info[i];
         int d = i == 0 ? 0 : info_depth(info);
         node_token[i] = i == 0 ? root_token : top_ids[(d - 1) * k + info_rank(info)];
         node_depth[i] = d;

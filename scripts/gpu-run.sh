@@ -2,7 +2,7 @@
 # Runs on the GPU machine from the repository root, after scripts/gpu-pack.sh built gpu-pack/ here:
 # every GPU test, compute-sanitizer memcheck and racecheck over the fixture tests, then the benches.
 # Logs and the criterion results go under $OUT (default ./gpu-out); a short table is printed last.
-# Usage: scripts/gpu-run.sh [tests|sanitize|bench|bench:NAME]...   (default: tests sanitize bench)
+# Usage: scripts/gpu-run.sh [tests|sanitize|profile|bench|bench:NAME]...   (default: tests sanitize bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-out}
@@ -34,6 +34,19 @@ run_sanitizer() {
     done
 }
 
+# Nsight Compute on one launch of each bandwidth-bound kernel at the issue's headline shapes.
+run_profile() {
+    local sections="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis --section LaunchStats"
+    ncu --clock-control none --kernel-name regex:'topk_chunk_f32|topk_merge' --launch-count 2 $sections \
+        gpu-pack/benches/topk --bench 'topk/gpu_f32/bs64_b64_v163840' --warm-up-time 0.05 --measurement-time 0.05 \
+        >"$logs/ncu-topk.log" 2>&1
+    summary+=("ncu topk: exit $?")
+    ncu --clock-control none --kernel-name regex:'greedy_accept_f32' --launch-count 1 $sections \
+        gpu-pack/benches/greedy_accept --bench 'greedy_accept/gpu_f32/bs64_b64_v163840' --warm-up-time 0.05 \
+        --measurement-time 0.05 >"$logs/ncu-greedy_accept.log" 2>&1
+    summary+=("ncu greedy_accept: exit $?")
+}
+
 run_bench() {
     local name=$1
     gpu-pack/benches/"$name" --bench >"$logs/bench-$name.log" 2>&1
@@ -48,6 +61,7 @@ for step in $steps; do
         sanitize) run_sanitizer memcheck; run_sanitizer racecheck ;;
         bench) for b in gpu-pack/benches/*; do run_bench "$(basename "$b")"; done ;;
         bench:*) run_bench "${step#bench:}" ;;
+        profile) run_profile ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
 done

@@ -83,9 +83,10 @@ impl DeviceTree {
     }
 }
 
-/// Shared memory the kernel needs: the request's `[L, K]` log-probs, eight per-row arrays, the bitmask.
+/// Shared memory the kernel needs: the request's `[L, K]` log-probs, three arrays of 2N frontier slots,
+/// four per-row arrays and the bitmask, all 4-byte words.
 pub fn shared_bytes(shape: TreeShape, k: usize) -> usize {
-    4 * (shape.depth * k + 8 * shape.rows() + shape.rows() * shape.words())
+    4 * (shape.depth * k + 6 * shape.rows() + 4 * shape.rows() + shape.rows() * shape.words())
 }
 
 /// Queues the tree build of every request from device `top_ids` / `top_logp [bs, L, K]`.
