@@ -37,16 +37,19 @@ __device__ __forceinline__ u64 composite_key(uint32_t value_key, uint32_t index)
     return ((u64)value_key << 32) | (u64)(~index);
 }
 
-__device__ __forceinline__ int status_of(float v) {
-    if (isnan(v)) return STATUS_NAN;
-    if (isinf(v) && v > 0.0f) return STATUS_POS_INF;
-    return 0;
+// Status bits from the largest and smallest order keys seen: +inf and positive NaN sort above every
+// finite key, negative NaN below -inf's key.
+__device__ __forceinline__ int status_of_keys(uint32_t kmax, uint32_t kmin) {
+    const uint32_t pos_inf = 0xFF800000u, neg_inf = 0x007FFFFFu;
+    int flags = kmin < neg_inf ? STATUS_NAN : 0;
+    if (kmax > pos_inf) flags |= STATUS_NAN;
+    if (kmax == pos_inf) flags |= STATUS_POS_INF;
+    return flags;
 }
 
-// exp(d) for d <= 0 from single rounded f32 operations, bit-identical to the numpy and Rust versions.
-// The _rn intrinsics stop nvcc from contracting a multiply and an add into an FMA.
-__device__ __forceinline__ float expd(float d) {
-    if (!(d >= -31.0f)) return 0.0f;
+// exp(d) for d in [-32, 0] from single rounded f32 operations, bit-identical to the numpy and Rust
+// versions. The _rn intrinsics stop nvcc from contracting a multiply and an add into an FMA.
+__device__ __forceinline__ float expd_core(float d) {
     const float log2e = __uint_as_float(0x3FB8AA3Bu);
     const float ln2_hi = __uint_as_float(0x3F317200u);
     const float ln2_lo = __uint_as_float(0x35BFBE8Eu);
@@ -55,7 +58,7 @@ __device__ __forceinline__ float expd(float d) {
     const float magic = 12582912.0f;
     const float km = __fadd_rn(__fmul_rn(d, log2e), magic);
     const float k = __fsub_rn(km, magic);
-    const int ki = __float_as_int(km) - 0x4B400000;
+    const uint32_t scale_bits = ((uint32_t)__float_as_int(km) - 0x4B400000u + 127u) << 23;
     float r = __fsub_rn(d, __fmul_rn(k, ln2_hi));
     r = __fsub_rn(r, __fmul_rn(k, ln2_lo));
     const uint32_t coeff[7] = {0x3AB60B61u, 0x3C088889u, 0x3D2AAAABu, 0x3E2AAAABu,
@@ -63,15 +66,18 @@ __device__ __forceinline__ float expd(float d) {
     float p = __uint_as_float(0x39500D01u);
 #pragma unroll
     for (int i = 0; i < 7; ++i) p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(coeff[i]));
-    float scale = __uint_as_float((uint32_t)(ki + 127) << 23);
-    return __fmul_rn(p, scale);
+    return __fmul_rn(p, __uint_as_float(scale_bits));
 }
 
-// floor(expd(v - m) * 2^44): the exact fixed-point term of the chunked logsumexp.
+// The contract's expd: 0 below -31 (and for NaN).
+__device__ __forceinline__ float expd(float d) { return d >= -31.0f ? expd_core(d) : 0.0f; }
+
+// floor(expd(v - m) * 2^44): the exact fixed-point term of the chunked logsumexp. Below d = -31 the
+// term is 0; clamping d at -32 keeps the exponent in range and still floors to 0 there, with no branch
+// (NaN from -inf - -inf clamps too).
 __device__ __forceinline__ u64 lse_term(float v, float m) {
-    if (v == -INFINITY) return 0;
-    float e = expd(__fsub_rn(v, m));
-    return __float2ull_rz(__fmul_rn(e, 17592186044416.0f));
+    float d = fmaxf(__fsub_rn(v, m), -32.0f);
+    return __float2ull_rz(__fmul_rn(expd_core(d), 17592186044416.0f));
 }
 
 // Shift that yields 0 instead of undefined behaviour at 64.

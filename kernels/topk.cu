@@ -9,10 +9,10 @@
 namespace kdt {
 namespace topk {
 
-constexpr int THREADS = 256;
+constexpr int THREADS = 512;
 constexpr int CHUNK = 8192;
 constexpr int CHUNK_ITEMS = CHUNK / THREADS;  // per thread, in registers
-constexpr int MERGE_ITEMS = 16;
+constexpr int MERGE_ITEMS = 8;
 constexpr int MERGE_SLOTS = MERGE_ITEMS * THREADS;
 constexpr int MAX_K = 512;
 constexpr int CAP = 2048;  // candidates kept in shared memory; more take the register-resident path
@@ -101,7 +101,7 @@ __device__ void block_select(const Keys& keys, int k_wanted, u64 lo, u64 hi, Sel
     if (group_shift >= 64) t = 0;
     unsigned int needed = (unsigned int)k_wanted;
     while (true) {
-        s.hist[threadIdx.x] = 0;
+        if (threadIdx.x < 256) s.hist[threadIdx.x] = 0;
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
@@ -110,8 +110,8 @@ __device__ void block_select(const Keys& keys, int k_wanted, u64 lo, u64 hi, Sel
                 atomicAdd(&s.hist[(k >> shift) & 255], 1u);
         }
         __syncthreads();
-        int digit = 255 - (int)threadIdx.x;  // scan from the largest digit down
-        unsigned int h = s.hist[digit];
+        int digit = 255 - (int)threadIdx.x;  // scan from the largest digit down; extra threads add 0
+        unsigned int h = digit >= 0 ? s.hist[digit] : 0u;
         unsigned int above;
         Scan(s.scan).ExclusiveSum(h, above);
         if (above < needed && needed <= above + h) {
@@ -212,21 +212,31 @@ struct ChunkSmem {
     u64 cand[CAP];
 };
 
-// Copies the keys whose value part is >= lo_value into buf (when they fit in CAP); returns their count.
+// Copies the keys whose value part is >= lo_value (at least 1, so empty slots never pass) into buf
+// when they fit in CAP; returns their count.
 template <int ITEMS, typename Keys>
 __device__ unsigned int gather_candidates(const Keys& keys, uint32_t lo_value, u64* buf, SelectSmem& s) {
+    lo_value = max(lo_value, 1u);
     unsigned int mine = 0;
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) mine += keys.value[i] != 0 && keys.value[i] >= lo_value;
+    for (int i = 0; i < ITEMS; ++i) mine += keys.value[i] >= lo_value;
     unsigned int offset, total;
     Scan(s.scan).ExclusiveSum(mine, offset, total);
     if (total <= (unsigned)CAP) {
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i)
-            if (keys.value[i] != 0 && keys.value[i] >= lo_value) buf[offset++] = keys.get(i);
+            if (keys.value[i] >= lo_value) buf[offset++] = keys.get(i);
     }
     __syncthreads();
     return total;
+}
+
+// The rare path (more than CAP candidates, e.g. many equal logits): radix select over all of the
+// chunk's keys. Not inlined, so that its register needs do not weigh on the common path.
+template <typename Keys>
+__device__ __noinline__ unsigned int select_top_fallback(const Keys& keys, int k_wanted, u64 lo_hint, u64* out,
+                                                         SelectSmem& s) {
+    return select_top<CHUNK_ITEMS>(keys, k_wanted, lo_hint, out, s);
 }
 
 // Loads item i of this thread: element (i * THREADS + tid) of the chunk, 16-byte vectors when aligned.
@@ -273,50 +283,46 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
     const T* row_ptr = logits + (size_t)row * vocab;
     const bool vec_ok = (vocab % (16 / (int)sizeof(T))) == 0 && ((uintptr_t)logits % 16) == 0;
 
-    float vals[CHUNK_ITEMS];
+    float vals[CHUNK_ITEMS];  // items past the chunk's end read as -inf
     load_chunk<T>(row_ptr, base, len, vec_ok, vals);
+    float vmax = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < CHUNK_ITEMS; ++i) vmax = fmaxf(vmax, vals[i]);  // NaN is caught by the keys below
+    const float m = key_value((uint32_t)block_max(order_key(vmax), sm.sel));
 
-    int flags = 0;
+    // One pass turns each value into its fixed-point exp term and its order key; the values die here.
     ChunkKeys<T, CHUNK_ITEMS> keys;
     keys.base = base;
-    uint32_t local_max = 0;
+    u64 local_sum = 0;
+    uint32_t kmin = ~0u;
 #pragma unroll
     for (int i = 0; i < CHUNK_ITEMS; ++i) {
-        bool in_range = item_index<T>(i) < len;
-        flags |= in_range ? status_of(vals[i]) : 0;
-        keys.value[i] = in_range ? order_key(vals[i]) : 0u;
-        local_max = max(local_max, keys.value[i]);
+        local_sum += lse_term(vals[i], m);
+        uint32_t k = order_key(vals[i]);
+        kmin = min(kmin, k);
+        keys.value[i] = (len == CHUNK || item_index<T>(i) < len) ? k : 0u;
     }
-    const float m = key_value((uint32_t)(block_max(local_max, sm.sel)));
-
-    u64 local_sum = 0;
-#pragma unroll
-    for (int i = 0; i < CHUNK_ITEMS; ++i)
-        if (keys.value[i] != 0) local_sum += lse_term(key_value(keys.value[i]), m);
     const u64 sum = block_sum(local_sum, sm.sel);
-    flags = __syncthreads_or(flags);
 
     // A lower bound for the chunk's K-th value: the K-th largest of G >= K group maxima (each a distinct
-    // element). Groups of 32, 16 or 8 items as K grows keep the bound tight, so only about K to 3K
+    // element). Groups of 16 items (8 when K > 256) keep the bound tight, so only about K to 2K
     // candidates reach the exact selection in shared memory.
-    PlainKeys<4> groups;
+    PlainKeys<2> groups;
+    uint32_t kmax = 0;
 #pragma unroll
-    for (int g = 0; g < 4; ++g) {
+    for (int g = 0; g < 2; ++g) {
         uint32_t m8 = 0;
 #pragma unroll
         for (int i = 8 * g; i < 8 * g + 8; ++i) m8 = max(m8, keys.value[i]);
         groups.key[g] = (u64)m8 << 32;
+        kmax = max(kmax, m8);
     }
-    if (k_wanted <= 2 * THREADS) {
-        groups.key[0] = max(groups.key[0], groups.key[1]);
-        groups.key[2] = max(groups.key[2], groups.key[3]);
-        groups.key[1] = groups.key[3] = 0;
-    }
+    const int flags = __syncthreads_or(status_of_keys(kmax, kmin));
     if (k_wanted <= THREADS / 2) {
-        groups.key[0] = max(groups.key[0], groups.key[2]);
-        groups.key[2] = 0;
+        groups.key[0] = max(groups.key[0], groups.key[1]);
+        groups.key[1] = 0;
     }
-    const u64 lo_hint = kth_lower_bound<4>(groups, k_wanted, sm.sel);
+    const u64 lo_hint = kth_lower_bound<2>(groups, k_wanted, sm.sel);
 
     const unsigned int n_cand = gather_candidates<CHUNK_ITEMS>(keys, (uint32_t)(lo_hint >> 32), sm.cand, sm.sel);
     unsigned int n;
@@ -324,7 +330,7 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
         SmemKeys<CAP_ITEMS> cand{sm.cand, n_cand};
         n = select_top<CAP_ITEMS>(cand, k_wanted, 1, sm.picked, sm.sel);
     } else {
-        n = select_top<CHUNK_ITEMS>(keys, k_wanted, lo_hint, sm.picked, sm.sel);  // e.g. many equal logits
+        n = select_top_fallback(keys, k_wanted, lo_hint, sm.picked, sm.sel);  // e.g. many equal logits
     }
     size_t slot = (size_t)row * chunks + chunk;
     u64* out = cand + slot * k_wanted;
@@ -455,13 +461,13 @@ __device__ void merge_kernel(const u64* __restrict__ cand, const float* __restri
 }  // namespace topk
 }  // namespace kdt
 
-extern "C" __global__ void __launch_bounds__(kdt::topk::THREADS, 3)
+extern "C" __global__ void __launch_bounds__(kdt::topk::THREADS, 2)
     topk_chunk_f32(const float* logits, int vocab, int k, kdt::u64* cand, float* chunk_max, kdt::u64* chunk_sum,
                    kdt::u64* chunk_kth, int* chunk_flags) {
     kdt::topk::chunk_kernel<float>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags);
 }
 
-extern "C" __global__ void __launch_bounds__(kdt::topk::THREADS, 3)
+extern "C" __global__ void __launch_bounds__(kdt::topk::THREADS, 2)
     topk_chunk_bf16(const __nv_bfloat16* logits, int vocab, int k, kdt::u64* cand, float* chunk_max,
                     kdt::u64* chunk_sum, kdt::u64* chunk_kth, int* chunk_flags) {
     kdt::topk::chunk_kernel<__nv_bfloat16>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags);

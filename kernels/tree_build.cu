@@ -88,9 +88,11 @@ __device__ void build_one(const int* __restrict__ top_ids, const float* __restri
     const int n_rows = budget + 1, words = (n_rows + 31) / 32, lk = depth_max * k;
     Layout s = carve(smem, lk, n_rows);
 
+    // Eight loads in flight per lane: this copy is latency-bound, not bandwidth-bound.
     int flags = 0;
+#pragma unroll 8
     for (int i = lane; i < lk; i += 32) {
-        float v = top_logp[i];
+        float v = __ldg(top_logp + i);
         flags |= isnan(v) ? STATUS_NAN : 0;
         s.logp[i] = v;
     }
@@ -134,6 +136,7 @@ __device__ void build_one(const int* __restrict__ top_ids, const float* __restri
     }
     __syncwarp();
 
+#pragma unroll 4
     for (int i = lane; i < n_rows; i += 32) {
         if (i > n) {  // padding row: its node_info was never written
             node_token[i] = node_depth[i] = parent_out[i] = -1;

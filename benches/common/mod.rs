@@ -20,8 +20,8 @@ pub fn criterion() -> Criterion {
     Criterion::default()
         .sample_size(10)
         .without_plots()
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_millis(1500))
+        .warm_up_time(Duration::from_millis(200))
+        .measurement_time(Duration::from_millis(1000))
         .configure_from_args()
 }
 
@@ -50,7 +50,7 @@ pub mod gpu {
     use std::time::Duration;
 
     use criterion::{BenchmarkId, Criterion, Throughput};
-    use cudarc::driver::sys::CUevent_flags;
+    use cudarc::driver::sys::{self, CUevent_flags};
     use kdtree_engine::cuda::Gpu;
 
     /// The GPU, or `None` (the bench then has CPU rows only).
@@ -62,16 +62,30 @@ pub mod gpu {
         Some(Gpu::new(0).expect("a CUDA device is present, so it must open"))
     }
 
-    /// Device time of `iters` calls of `launch`, measured with events around the whole loop.
+    /// Launches per captured graph: enough that graph launch overhead is amortized, few enough to
+    /// capture quickly.
+    const GRAPH_LAUNCHES: u64 = 20;
+
+    /// Device time of `iters` calls of `launch`. The calls are captured in a CUDA graph that is replayed,
+    /// so the host's launch overhead does not hide the kernel time of small kernels.
     pub fn time(gpu: &Gpu, iters: u64, mut launch: impl FnMut()) -> Duration {
         let stream = gpu.stream();
-        let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).expect("event");
-        for _ in 0..iters {
+        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).expect("capture");
+        for _ in 0..GRAPH_LAUNCHES {
             launch();
+        }
+        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).expect("end capture").expect("a graph");
+        graph.upload().expect("graph upload");
+        graph.launch().expect("warm-up replay");
+        let replays = iters.div_ceil(GRAPH_LAUNCHES);
+        let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).expect("event");
+        for _ in 0..replays {
+            graph.launch().expect("replay");
         }
         let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).expect("event");
         end.synchronize().expect("sync");
-        Duration::from_secs_f64(start.elapsed_ms(&end).expect("elapsed") as f64 * 1e-3)
+        let per_launch = start.elapsed_ms(&end).expect("elapsed") as f64 * 1e-3 / (replays * GRAPH_LAUNCHES) as f64;
+        Duration::from_secs_f64(per_launch * iters as f64)
     }
 
     /// The copy ceiling: a 1 GiB device-to-device copy, counted as bytes read plus bytes written;

@@ -112,7 +112,8 @@ impl Kernels {
     }
 }
 
-/// A CUDA device with the kernels loaded and one stream that every launch goes to.
+/// A CUDA device with the kernels loaded and one stream that every launch and copy goes to. Buffers
+/// made by a `Gpu` must only be used on its stream.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -126,9 +127,20 @@ impl Gpu {
             return Err(Error::NoDevice("no CUDA driver library or no device found".into()));
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("CudaContext::new", e))?;
+        // Every launch and copy of a `Gpu` goes to its one stream, in order, so cudarc's per-buffer event
+        // tracking (meant for several streams) would only add work to each launch.
+        unsafe { ctx.disable_event_tracking() };
         let module = ctx.load_module(Ptx::from_binary(FATBIN.to_vec())).map_err(|e| cuda_err("load_module", e))?;
         let kernels = Kernels::load(&module)?;
-        let stream = ctx.default_stream();
+        kernels
+            .tree_build
+            .set_attribute(
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                MAX_SHARED_BYTES as i32,
+            )
+            .map_err(|e| cuda_err("tree_build shared memory attribute", e))?;
+        // A stream of our own (not the legacy default stream), so that launches can be captured in graphs.
+        let stream = ctx.new_stream().map_err(|e| cuda_err("new_stream", e))?;
         Ok(Gpu { ctx, stream, kernels })
     }
 

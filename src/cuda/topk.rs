@@ -7,7 +7,8 @@ use crate::cpu::topk::LSE_CHUNK;
 use crate::error::{check_len, Error, Result};
 use crate::types::{check_vocab, Logits, TopK};
 
-const THREADS: u32 = 256;
+/// Threads per CTA (kernels/topk.cu THREADS).
+const THREADS: u32 = 512;
 /// Largest K the kernels select (their candidate buffers hold 512 keys).
 pub const MAX_K: usize = 512;
 

@@ -1,6 +1,5 @@
 //! Launcher of kernels/tree_build.cu: the best-first DDTree build (see [`crate::cpu::tree_build`]).
 
-use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{cuda_err, status_error, Gpu, MAX_SHARED_BYTES};
@@ -117,8 +116,6 @@ pub fn build_trees(
         ));
     }
     let f = &gpu.kernels.tree_build;
-    f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-        .map_err(|e| cuda_err("tree_build smem attribute", e))?;
     let (depth, k_i, budget) = (s.depth as i32, k as i32, s.budget as i32);
     let cfg = LaunchConfig { grid_dim: (s.bs as u32, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: smem as u32 };
     let mut b = gpu.stream().launch_builder(f);
