@@ -11,6 +11,8 @@
 //!
 //! They are bit-exact across the three implementations; `reference/README.md` states the exact contract.
 
+#![warn(missing_docs)]
+
 #[cfg(all(feature = "int4-native", feature = "int4-tiled"))]
 compile_error!(
     "features `int4-native` and `int4-tiled` are exclusive; for the tiled layout build with \

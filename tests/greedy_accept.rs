@@ -114,7 +114,10 @@ proptest! {
 #[test]
 fn bad_input_is_a_named_error() {
     let (tree, mut target) = random_case(3, 2, 3, 20, 8);
-    assert!(matches!(greedy_accept(&tree, Logits::F32(&target[1..]), 20), Err(Error::Shape { name: "target_logits", .. })));
+    assert!(matches!(
+        greedy_accept(&tree, Logits::F32(&target[1..]), 20),
+        Err(Error::Shape { name: "target_logits", .. })
+    ));
     target[5] = f32::NAN; // row 0 is always valid
     assert!(matches!(greedy_accept(&tree, Logits::F32(&target), 20), Err(Error::Logits { row: 0, .. })));
     assert!(matches!(accept_from_argmax(&tree, &[0; 3]), Err(Error::Shape { name: "target_argmax", .. })));

@@ -100,8 +100,17 @@ mod gpu {
         let Some(gpu) = gpu() else { return };
         for case in cases("kv_compact") {
             let mut c = load(&case);
-            gpu.kv_compact(&mut c.cache, &c.layout, &c.table, &c.seq_len, &c.accept_len, &c.accept_rows, c.depth, c.n_rows)
-                .unwrap();
+            gpu.kv_compact(
+                &mut c.cache,
+                &c.layout,
+                &c.table,
+                &c.seq_len,
+                &c.accept_len,
+                &c.accept_rows,
+                c.depth,
+                c.n_rows,
+            )
+            .unwrap();
             assert_same(&case.name(), "cache_out", &bits(&c.cache), &expected(&case));
         }
     }

@@ -4,11 +4,9 @@
 mod common;
 
 use common::{assert_bits, assert_same, cases};
-use half::bf16;
 use kdtree_engine::cpu::topk::{expd, topk_logsumexp};
 use kdtree_engine::fixture::Fixture;
 use kdtree_engine::{Error, Logits, TopK};
-use proptest::prelude::*;
 
 /// (bs, L, V, K) of a top-K fixture.
 fn dims(case: &Fixture) -> (usize, usize, usize, usize) {
@@ -61,26 +59,28 @@ fn bad_input_is_a_named_error() {
     assert!(matches!(run(&ok, 9), Err(Error::Param { name: "k", .. })));
 }
 
-/// Logits with many exact ties and some -inf: values on a coarse grid.
-fn tie_heavy_logits(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            match s % 50 {
-                0 => f32::NEG_INFINITY,
-                r => (r as f32 - 25.0) * 0.25,
-            }
-        })
-        .collect()
-}
-
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
     use common::gpu;
+    use half::bf16;
+    use proptest::prelude::*;
+
+    /// Logits with many exact ties and some -inf: values on a coarse grid.
+    fn tie_heavy_logits(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                match s % 50 {
+                    0 => f32::NEG_INFINITY,
+                    r => (r as f32 - 25.0) * 0.25,
+                }
+            })
+            .collect()
+    }
 
     #[test]
     fn gpu_matches_every_fixture() {

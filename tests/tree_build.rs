@@ -45,7 +45,15 @@ fn cpu_matches_every_fixture() {
 }
 
 /// Row score as the contract defines it: f32 additions along the path from the root.
-fn row_score(tree: &DraftTree, b: usize, row: usize, rank_of: &dyn Fn(usize) -> (usize, usize), logp: &[f32], k: usize, l: usize) -> f32 {
+fn row_score(
+    tree: &DraftTree,
+    b: usize,
+    row: usize,
+    rank_of: &dyn Fn(usize) -> (usize, usize),
+    logp: &[f32],
+    k: usize,
+    l: usize,
+) -> f32 {
     let base = b * tree.shape.rows();
     let mut path = vec![];
     let mut r = row as i32;
@@ -83,7 +91,10 @@ fn check_invariants(tree: &DraftTree, ids: &[i32], logp: &[f32], k: usize) -> Ve
             if rank > 0 {
                 // Prefix-closed over ranks too: the previous-rank sibling is in the tree.
                 let prev = ids[b * l * k + (tree.node_depth[base + i] as usize - 1) * k + rank - 1];
-                assert!((1..=n).any(|j| tree.parent[base + j] == p && tree.node_token[base + j] == prev), "rank-closed");
+                assert!(
+                    (1..=n).any(|j| tree.parent[base + j] == p && tree.node_token[base + j] == prev),
+                    "rank-closed"
+                );
             }
             scores.push(row_score(tree, b, i, &rank_of, logp, k, l));
             for j in 0..n_rows {

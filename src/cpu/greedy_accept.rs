@@ -88,8 +88,11 @@ pub fn greedy_accept(tree: &DraftTree, target_logits: Logits, vocab: usize) -> R
             if i as i32 > tree.num_nodes[b] {
                 return Ok(-1);
             }
-            row_argmax((0..vocab).map(|v| target_logits.get(r * vocab + v)))
-                .map_err(|problem| Error::Logits { name: "target_logits", row: r, problem })
+            row_argmax((0..vocab).map(|v| target_logits.get(r * vocab + v))).map_err(|problem| Error::Logits {
+                name: "target_logits",
+                row: r,
+                problem,
+            })
         })
         .collect::<Result<_>>()?;
     accept_from_argmax(tree, &argmax)

@@ -64,7 +64,8 @@ pub fn kv_compact(
         let plan = moves(layout, table, seq_len[b], accept_len[b], path, n_rows)?;
         for layer in 0..layout.layers {
             let base = layer * layer_stride;
-            let staged: Vec<bf16> = plan.iter().flat_map(|&(src, _)| &cache[base + src..base + src + d]).copied().collect();
+            let staged: Vec<bf16> =
+                plan.iter().flat_map(|&(src, _)| &cache[base + src..base + src + d]).copied().collect();
             for (j, &(_, dst)) in plan.iter().enumerate() {
                 cache[base + dst..base + dst + d].copy_from_slice(&staged[j * d..(j + 1) * d]);
             }

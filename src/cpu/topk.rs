@@ -17,8 +17,7 @@ const FIXED_SCALE: f32 = 17_592_186_044_416.0;
 
 /// exp(d) for d <= 0 from single rounded f32 operations (no fused multiply-add), 0 below -31.
 pub fn expd(d: f32) -> f32 {
-    const C: [u32; 7] =
-        [0x3AB6_0B61, 0x3C08_8889, 0x3D2A_AAAB, 0x3E2A_AAAB, 0x3F00_0000, 0x3F80_0000, 0x3F80_0000];
+    const C: [u32; 7] = [0x3AB6_0B61, 0x3C08_8889, 0x3D2A_AAAB, 0x3E2A_AAAB, 0x3F00_0000, 0x3F80_0000, 0x3F80_0000];
     if d.is_nan() || d < -31.0 {
         return 0.0;
     }
@@ -45,7 +44,7 @@ pub fn row_lse(row: &[f32]) -> std::result::Result<f32, &'static str> {
     if row.iter().any(|v| v.is_nan()) {
         return Err("NaN logit");
     }
-    if row.iter().any(|&v| v == f32::INFINITY) {
+    if row.contains(&f32::INFINITY) {
         return Err("+inf logit");
     }
     let chunks: Vec<(f32, u64)> = row
@@ -59,8 +58,7 @@ pub fn row_lse(row: &[f32]) -> std::result::Result<f32, &'static str> {
     if big == f32::NEG_INFINITY {
         return Err("no finite logit in the row");
     }
-    let total: f64 =
-        chunks.iter().filter(|c| c.1 != 0).fold(0.0, |acc, &(m, s)| acc + s as f64 * expd(m - big) as f64);
+    let total: f64 = chunks.iter().filter(|c| c.1 != 0).fold(0.0, |acc, &(m, s)| acc + s as f64 * expd(m - big) as f64);
     Ok((big as f64 + (total * 2f64.powi(-44)).ln()) as f32)
 }
 
@@ -89,16 +87,13 @@ pub fn topk_logsumexp(logits: Logits, bs: usize, depth: usize, vocab: usize, k: 
     check_len("logits", logits.len(), &[("bs", bs), ("L", depth), ("V", vocab)])?;
     let rows = bs * depth;
     let mut out = TopK { bs, depth, k, ids: vec![0; rows * k], logp: vec![0.0; rows * k], lse: vec![0.0; rows] };
-    out.ids
-        .par_chunks_mut(k)
-        .zip(out.logp.par_chunks_mut(k))
-        .zip(out.lse.par_iter_mut())
-        .enumerate()
-        .try_for_each(|(r, ((ids, logp), lse))| {
+    out.ids.par_chunks_mut(k).zip(out.logp.par_chunks_mut(k)).zip(out.lse.par_iter_mut()).enumerate().try_for_each(
+        |(r, ((ids, logp), lse))| {
             let row: Vec<f32> = (0..vocab).map(|i| logits.get(r * vocab + i) + 0.0).collect();
             *lse = row_lse(&row).map_err(|problem| Error::Logits { name: "draft_logits", row: r, problem })?;
             select_row(&row, *lse, ids, logp);
             Ok(())
-        })?;
+        },
+    )?;
     Ok(out)
 }

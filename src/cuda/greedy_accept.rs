@@ -87,7 +87,13 @@ impl AcceptPlan {
     }
 
     /// Queues argmax + walk over `target_logits [bs, N, V]` for the trees in `tree`.
-    pub fn run(&mut self, gpu: &Gpu, tree: &DeviceTree, logits: &DeviceLogits, out: &mut DeviceAcceptance) -> Result<()> {
+    pub fn run(
+        &mut self,
+        gpu: &Gpu,
+        tree: &DeviceTree,
+        logits: &DeviceLogits,
+        out: &mut DeviceAcceptance,
+    ) -> Result<()> {
         let s = self.shape;
         if tree.shape != s || out.shape != s {
             return Err(Error::param("tree", format!("{:?}", tree.shape), format!("the plan was made for {s:?}")));
@@ -120,7 +126,12 @@ impl AcceptPlan {
 }
 
 /// Queues the walk alone from a device `target_argmax [bs, N]` (its padding rows are ignored).
-pub fn accept_from_argmax(gpu: &Gpu, tree: &DeviceTree, argmax: &CudaSlice<i32>, out: &mut DeviceAcceptance) -> Result<()> {
+pub fn accept_from_argmax(
+    gpu: &Gpu,
+    tree: &DeviceTree,
+    argmax: &CudaSlice<i32>,
+    out: &mut DeviceAcceptance,
+) -> Result<()> {
     let s = tree.shape;
     if out.shape != s {
         return Err(Error::param("out", format!("{:?}", out.shape), format!("must match the tree's {s:?}")));

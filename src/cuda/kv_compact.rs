@@ -43,7 +43,11 @@ pub fn kv_compact(
     }
     let smem = args.depth * layout.row_elems * 2;
     if smem > MAX_SHARED_BYTES.min(48 * 1024) {
-        return Err(Error::param("row_elems", layout.row_elems, format!("L * row bytes = {smem} B exceeds 48 KB of staging")));
+        return Err(Error::param(
+            "row_elems",
+            layout.row_elems,
+            format!("L * row bytes = {smem} B exceeds 48 KB of staging"),
+        ));
     }
     gpu.stream().memset_zeros(status).map_err(|e| cuda_err("memset status", e))?;
     let p = (
@@ -83,7 +87,8 @@ impl Gpu {
         let mut dev = self.upload(cache)?;
         let (table, seq, alen, arows) =
             (self.upload(block_table)?, self.upload(seq_len)?, self.upload(accept_len)?, self.upload(accept_rows)?);
-        let args = CompactArgs { block_table: &table, seq_len: &seq, accept_len: &alen, accept_rows: &arows, depth, n_rows };
+        let args =
+            CompactArgs { block_table: &table, seq_len: &seq, accept_len: &alen, accept_rows: &arows, depth, n_rows };
         let mut status = self.zeros::<i32>(1)?;
         kv_compact(self, &mut dev, layout, &args, &mut status)?;
         if self.download(&status)?[0] != 0 {

@@ -35,7 +35,14 @@ impl DeviceTopK {
         status_error("draft_logits", &gpu.download(&self.status)?[..self.rows])?;
         let (ids, logp, lse) = (gpu.download(&self.ids)?, gpu.download(&self.logp)?, gpu.download(&self.lse)?);
         let n = self.rows * self.k;
-        Ok(TopK { bs, depth, k: self.k, ids: ids[..n].to_vec(), logp: logp[..n].to_vec(), lse: lse[..self.rows].to_vec() })
+        Ok(TopK {
+            bs,
+            depth,
+            k: self.k,
+            ids: ids[..n].to_vec(),
+            logp: logp[..n].to_vec(),
+            lse: lse[..self.rows].to_vec(),
+        })
     }
 }
 
@@ -57,7 +64,11 @@ impl TopKPlan {
     pub fn new(gpu: &Gpu, rows: usize, vocab: usize, k: usize) -> Result<Self> {
         check_vocab(vocab)?;
         if k == 0 || k > vocab.min(MAX_K) {
-            return Err(Error::param("k", k, format!("must be in 1..={} (min of vocab and {MAX_K})", vocab.min(MAX_K))));
+            return Err(Error::param(
+                "k",
+                k,
+                format!("must be in 1..={} (min of vocab and {MAX_K})", vocab.min(MAX_K)),
+            ));
         }
         if rows == 0 || rows > 65_535 {
             return Err(Error::param("rows", rows, "bs * L must be in 1..=65535 (the grid's y dimension)"));
@@ -91,12 +102,19 @@ impl TopKPlan {
     /// Queues top-K of `rows` rows (at most the plan's) of `logits [rows, vocab]` into `out`.
     pub fn run(&mut self, gpu: &Gpu, logits: &DeviceLogits, rows: usize, out: &mut DeviceTopK) -> Result<()> {
         if rows == 0 || rows > self.rows || out.rows < rows || out.k != self.k {
-            return Err(Error::param("rows", rows, format!("must be in 1..={} with outputs from this plan", self.rows)));
+            return Err(Error::param(
+                "rows",
+                rows,
+                format!("must be in 1..={} with outputs from this plan", self.rows),
+            ));
         }
         check_len("logits", logits.len(), &[("rows", rows), ("V", self.vocab)])?;
         let (vocab, k, chunks) = (to_i32("vocab", self.vocab)?, self.k as i32, self.chunks as i32);
-        let chunk_cfg =
-            LaunchConfig { grid_dim: (self.chunks as u32, rows as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let chunk_cfg = LaunchConfig {
+            grid_dim: (self.chunks as u32, rows as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let stream = gpu.stream();
         let kernels = &gpu.kernels;
         match logits {

@@ -112,7 +112,10 @@ pub fn build_trees(
         return Err(Error::param(
             "L * K",
             s.depth * k,
-            format!("the tree build needs {smem} B of shared memory for L={} K={k} B={}; the limit is {MAX_SHARED_BYTES} B", s.depth, s.budget),
+            format!(
+                "the tree build needs {smem} B of shared memory for L={} K={k} B={}; the limit is {MAX_SHARED_BYTES} B",
+                s.depth, s.budget
+            ),
         ));
     }
     let f = &gpu.kernels.tree_build;
