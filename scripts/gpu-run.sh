@@ -45,6 +45,10 @@ run_profile() {
         gpu-pack/benches/greedy_accept --bench 'greedy_accept/gpu_f32/bs64_b64_v163840' --warm-up-time 0.05 \
         --measurement-time 0.05 >"$logs/ncu-greedy_accept.log" 2>&1
     summary+=("ncu greedy_accept: exit $?")
+    ncu --clock-control none --kernel-name tree_build --launch-count 1 $sections \
+        gpu-pack/benches/tree_build --bench 'tree_build/gpu/bs64_b64' --warm-up-time 0.05 --measurement-time 0.05 \
+        >"$logs/ncu-tree_build.log" 2>&1
+    summary+=("ncu tree_build: exit $?")
 }
 
 run_bench() {

@@ -10,6 +10,18 @@
 //! - the in-place KV-cache compaction after acceptance ([`cpu::kv_compact`]).
 //!
 //! They are bit-exact across the three implementations; `reference/README.md` states the exact contract.
+//!
+//! ```
+//! use kdtree_engine::{cpu, Logits, TreeShape};
+//! // One request, L = 2 draft positions over a 4-token vocabulary.
+//! let logits = [2.0f32, 1.0, 0.5, 0.0, /* position 2 */ 0.1, 3.0, 0.2, 0.3];
+//! let top = cpu::topk::topk_logsumexp(Logits::F32(&logits), 1, 2, 4, 3).unwrap();
+//! assert_eq!(&top.ids[..3], &[0, 1, 2]);
+//! let shape = TreeShape::new(1, 2, 3).unwrap();
+//! let tree = cpu::tree_build::build_trees(shape, 3, &top.ids, &top.logp, &[7], &[100]).unwrap();
+//! assert_eq!(tree.num_nodes[0], 3);
+//! assert_eq!(tree.node_token[..4], [7, 0, 1, 1]); // root, token 0, its child 1, then sibling token 1
+//! ```
 
 #![warn(missing_docs)]
 
