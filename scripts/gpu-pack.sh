@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${NVCC:?set NVCC to the nvcc that scripts/install-nvcc.sh printed}"
 features="cuda-13000${1:+,$1}"
-rm -rf gpu-pack && mkdir -p gpu-pack/tests gpu-pack/benches
+rm -rf gpu-pack && mkdir -p gpu-pack/tests gpu-pack/benches gpu-pack/examples
 copy_executables() { # $1: destination; stdin: cargo's JSON messages
     python3 -c '
 import json, shutil, sys
@@ -20,5 +20,7 @@ for line in sys.stdin:
 }
 cargo test --release --features "$features" --no-run --message-format=json 2>/dev/null | copy_executables gpu-pack/tests
 cargo bench --features "$features" --no-run --message-format=json 2>/dev/null | copy_executables gpu-pack/benches
+cargo build --release --features "$features" --example build_tree
+cp target/release/examples/build_tree gpu-pack/examples/
 rm -f gpu-pack/tests/kdtree_engine gpu-pack/benches/kdtree_engine
 du -sh gpu-pack

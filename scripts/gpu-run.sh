@@ -14,6 +14,8 @@ steps=${*:-tests sanitize bench}
 summary=()
 
 run_tests() {
+    gpu-pack/examples/build_tree --gpu --budget 16 >"$logs/example-build_tree-gpu.log" 2>&1
+    summary+=("example build_tree --gpu: exit $? | $(head -1 "$logs/example-build_tree-gpu.log")")
     for t in gpu-pack/tests/*; do
         local name log
         name=$(basename "$t")
