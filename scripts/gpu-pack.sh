@@ -7,20 +7,19 @@ cd "$(dirname "$0")/.."
 : "${NVCC:?set NVCC to the nvcc that scripts/install-nvcc.sh printed}"
 features="cuda-13000${1:+,$1}"
 rm -rf gpu-pack && mkdir -p gpu-pack/tests gpu-pack/benches gpu-pack/examples
-copy_executables() { # $1: destination; stdin: cargo's JSON messages
+copy_executables() { # $1: destination, $2: target kind (test or bench); stdin: cargo's JSON messages
     python3 -c '
 import json, shutil, sys
 for line in sys.stdin:
     msg = json.loads(line)
     exe = msg.get("executable")
-    if msg.get("reason") == "compiler-artifact" and exe and msg["target"]["kind"] != ["custom-build"]:
+    if msg.get("reason") == "compiler-artifact" and exe and msg["target"]["kind"] == [sys.argv[2]]:
         shutil.copy(exe, sys.argv[1] + "/" + msg["target"]["name"])
         print(sys.argv[1] + "/" + msg["target"]["name"])
-' "$1"
+' "$1" "$2"
 }
-cargo test --release --features "$features" --no-run --message-format=json 2>/dev/null | copy_executables gpu-pack/tests
-cargo bench --features "$features" --no-run --message-format=json 2>/dev/null | copy_executables gpu-pack/benches
+cargo test --release --features "$features" --no-run --message-format=json 2>/dev/null | copy_executables gpu-pack/tests test
+cargo bench --features "$features" --no-run --message-format=json 2>/dev/null | copy_executables gpu-pack/benches bench
 cargo build --release --features "$features" --example build_tree
 cp target/release/examples/build_tree gpu-pack/examples/
-rm -f gpu-pack/tests/kdtree_engine gpu-pack/benches/kdtree_engine
 du -sh gpu-pack
