@@ -11,17 +11,18 @@ mkdir -p "$logs"
 export KDTREE_FIXTURES=$PWD/fixtures
 export CRITERION_HOME=$PWD/target/criterion
 steps=${*:-tests sanitize bench}
-summary=()
+: >"$out/summary.txt"
+note() { echo "$1" >>"$out/summary.txt"; }  # written as it goes, so a run cut short still reports
 
 run_tests() {
     gpu-pack/examples/build_tree --gpu --budget 16 >"$logs/example-build_tree-gpu.log" 2>&1
-    summary+=("example build_tree --gpu: exit $? | $(head -1 "$logs/example-build_tree-gpu.log")")
+    note "example build_tree --gpu: exit $? | $(head -1 "$logs/example-build_tree-gpu.log")"
     for t in gpu-pack/tests/*; do
         local name log
         name=$(basename "$t")
         log="$logs/test-$name.log"
         "$t" --test-threads 4 >"$log" 2>&1
-        summary+=("test $name: exit $? | $(grep -h '^test result' "$log" | tail -1)")
+        note "test $name: exit $? | $(grep -h '^test result' "$log" | tail -1)"
     done
 }
 
@@ -32,7 +33,7 @@ run_sanitizer() {
         name=$(basename "$t")
         log="$logs/$tool-$name.log"
         compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" gpu_matches_every_fixture --test-threads 1 >"$log" 2>&1
-        summary+=("$tool $name: exit $? | $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$log" | tail -1)")
+        note "$tool $name: exit $? | $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$log" | tail -1)"
     done
 }
 
@@ -42,21 +43,22 @@ run_profile() {
     ncu --clock-control none --kernel-name regex:'topk_chunk_f32|topk_merge' --launch-count 2 $sections \
         gpu-pack/benches/topk --bench 'topk/gpu_f32/bs64_b64_v163840' --warm-up-time 0.05 --measurement-time 0.05 \
         >"$logs/ncu-topk.log" 2>&1
-    summary+=("ncu topk: exit $?")
+    note "ncu topk: exit $?"
     ncu --clock-control none --kernel-name regex:'greedy_accept_f32' --launch-count 1 $sections \
         gpu-pack/benches/greedy_accept --bench 'greedy_accept/gpu_f32/bs64_b64_v163840' --warm-up-time 0.05 \
         --measurement-time 0.05 >"$logs/ncu-greedy_accept.log" 2>&1
-    summary+=("ncu greedy_accept: exit $?")
+    note "ncu greedy_accept: exit $?"
     ncu --clock-control none --kernel-name tree_build --launch-count 1 $sections \
         gpu-pack/benches/tree_build --bench 'tree_build/gpu/bs64_b64' --warm-up-time 0.05 --measurement-time 0.05 \
         >"$logs/ncu-tree_build.log" 2>&1
-    summary+=("ncu tree_build: exit $?")
+    note "ncu tree_build: exit $?"
 }
 
 run_bench() {
     local name=$1
     gpu-pack/benches/"$name" --bench >"$logs/bench-$name.log" 2>&1
-    summary+=("bench $name: exit $?")
+    note "bench $name: exit $?"
+    tar -czf "$out/criterion.tar.gz" -C target criterion
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$out/gpu.txt" 2>&1
@@ -73,6 +75,5 @@ for step in $steps; do
 done
 [ -d target/criterion ] && tar -czf "$out/criterion.tar.gz" -C target criterion
 tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$logs"
-printf '%s\n' "${summary[@]}" >"$out/summary.txt"
 cat "$out/gpu.txt" "$out/summary.txt"
 [ -d target/criterion ] && python3 benches/report.py target/criterion
