@@ -2,7 +2,8 @@
 # Runs on the GPU machine from the repository root, after scripts/gpu-pack.sh built gpu-pack/ here:
 # every GPU test, compute-sanitizer memcheck and racecheck over the fixture tests, then the benches.
 # Logs and the criterion results go under $OUT (default ./gpu-out); a short table is printed last.
-# Usage: scripts/gpu-run.sh [tests|sanitize|profile|bench|bench:NAME]...   (default: tests sanitize bench)
+# Usage: scripts/gpu-run.sh [tests|sanitize|sanitize:NAME|profile|bench|bench:NAME]...
+#        (default: tests sanitize bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-out}
@@ -27,8 +28,8 @@ run_tests() {
 }
 
 run_sanitizer() {
-    local tool=$1
-    for t in gpu-pack/tests/*; do
+    local tool=$1 only=${2:-*}
+    for t in gpu-pack/tests/$only; do
         local name log
         name=$(basename "$t")
         log="$logs/$tool-$name.log"
@@ -67,6 +68,7 @@ for step in $steps; do
     case $step in
         tests) run_tests ;;
         sanitize) run_sanitizer memcheck; run_sanitizer racecheck ;;
+        sanitize:*) run_sanitizer memcheck "${step#sanitize:}"; run_sanitizer racecheck "${step#sanitize:}" ;;
         bench) for b in gpu-pack/benches/*; do run_bench "$(basename "$b")"; done ;;
         bench:*) run_bench "${step#bench:}" ;;
         profile) run_profile ;;
