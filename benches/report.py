@@ -36,6 +36,13 @@ def fmt_time(ns):
     return f"{ns / 1e6:.2f} ms" if ns >= 1e6 else f"{ns / 1e3:.1f} µs"
 
 
+def fmt_speedup(cpu, gpu):
+    if not (cpu and gpu):
+        return "–"
+    ratio = cpu / gpu
+    return f"{ratio:.1f}x" if ratio < 10 else f"{ratio:.0f}x"
+
+
 def copy_ceiling(res, label):
     ns = res.get(("copy", "d2d", label))
     return None if ns is None else 2 * (1 << 30) / ns  # bytes per ns = GB/s
@@ -63,7 +70,7 @@ def bandwidth_table(res, group, rows_of, title):
             gbs = rows * q["v"] * DTYPE_BYTES[dtype] / gpu
             cells.append(fmt_time(gpu))
             if i == 0:
-                cells.append(f"{cpu / gpu:.0f}x" if cpu else "–")
+                cells.append(fmt_speedup(cpu, gpu))
             cells += [f"{gbs:.0f}", f"{100 * gbs / ceiling:.0f}%" if ceiling else "–"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -75,7 +82,7 @@ def tree_table(res):
     for p in keys:
         q = params(p)
         cpu, gpu = res.get(("tree_build", "cpu", p)), res.get(("tree_build", "gpu", p))
-        speed = f"{cpu / gpu:.0f}x" if cpu and gpu else "–"
+        speed = fmt_speedup(cpu, gpu)
         lines.append(f"| {q['bs']} | {q['b']} | {fmt_time(cpu) if cpu else '–'} | {fmt_time(gpu) if gpu else '–'} | {speed} |")
     return lines
 
