@@ -123,6 +123,29 @@ impl TreeShape {
     }
 }
 
+/// Largest K (candidates per depth) a tree build takes: ranks are packed in 12 bits on the device.
+pub const MAX_TREE_K: usize = 4095;
+
+/// Checks the tree-build inputs, by length: `[bs, L, K]` top ids and log-probs, `[bs]` root tokens and
+/// prefix lengths, and K in `1..=MAX_TREE_K`.
+pub fn check_tree_inputs(
+    shape: TreeShape,
+    k: usize,
+    top_ids: usize,
+    top_logp: usize,
+    root_token: usize,
+    seq_len: usize,
+) -> Result<()> {
+    if k == 0 || k > MAX_TREE_K {
+        return Err(Error::param("k", k, format!("candidates per depth must be in 1..={MAX_TREE_K}")));
+    }
+    let dims = [("bs", shape.bs), ("L", shape.depth), ("K", k)];
+    check_len("top_ids", top_ids, &dims)?;
+    check_len("top_logp", top_logp, &dims)?;
+    check_len("root_token", root_token, &dims[..1])?;
+    check_len("seq_len", seq_len, &dims[..1])
+}
+
 /// A batch of draft trees (DESIGN.md §4.1 step 3). Rows past `num_nodes[b]` are padding: -1, and 0 in
 /// `visibility`.
 #[derive(Clone, Debug, PartialEq)]
@@ -207,6 +230,23 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
+    /// Checks the compaction inputs of `bs` requests against this layout, by length: the cache,
+    /// `[bs, pages_per_req]` block tables, `[bs]` accepted counts, `[bs, L+1]` accepted rows.
+    pub fn check_compact_inputs(
+        &self,
+        bs: usize,
+        cache: usize,
+        block_table: usize,
+        accept_len: usize,
+        accept_rows: usize,
+        depth: usize,
+    ) -> Result<()> {
+        check_len("cache", cache, &[("elems", self.elems())])?;
+        check_len("block_table", block_table, &[("bs", bs), ("pages_per_req", self.pages_per_req)])?;
+        check_len("accept_len", accept_len, &[("bs", bs)])?;
+        check_len("accept_rows", accept_rows, &[("bs", bs), ("L+1", depth + 1)])
+    }
+
     /// Total cache elements.
     pub fn elems(&self) -> usize {
         self.layers * self.num_pages * self.page_size * self.row_elems

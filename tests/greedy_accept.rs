@@ -52,13 +52,7 @@ fn cpu_matches_every_fixture() {
 
 /// A random batch of real trees and target logits that follow a random path for a few steps.
 fn random_case(seed: u64, bs: usize, l: usize, v: usize, budget: usize) -> (DraftTree, Vec<f32>) {
-    let mut s = seed | 1;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
+    let mut next = common::xorshift(seed);
     let draft: Vec<f32> = (0..bs * l * v).map(|_| (next() % 1000) as f32 * 0.01).collect();
     let k = budget.min(v);
     let top = topk_logsumexp(Logits::F32(&draft), bs, l, v, k).unwrap();
@@ -70,7 +64,7 @@ fn random_case(seed: u64, bs: usize, l: usize, v: usize, budget: usize) -> (Draf
         // Make each row's argmax its first child's token with probability 3/4, so walks go deep.
         for i in 0..n {
             let c = tree.first_child[b * n + i];
-            if c > 0 && next() % 4 != 0 {
+            if c > 0 && !next().is_multiple_of(4) {
                 target[(b * n + i) * v + tree.node_token[b * n + c as usize] as usize] = 100.0;
             }
         }

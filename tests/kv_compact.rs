@@ -137,13 +137,7 @@ mod gpu {
         let n_rows = 65usize;
         let pages_per_req = (4096 + n_rows).div_ceil(page_size);
         let layout = KvLayout { layers, num_pages: bs * pages_per_req, page_size, row_elems, pages_per_req };
-        let mut s = 12345u64;
-        let mut next = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s
-        };
+        let mut next = common::xorshift(12345);
         let mut table: Vec<i32> = (0..(bs * pages_per_req) as i32).collect();
         for i in (1..table.len()).rev() {
             table.swap(i, next() as usize % (i + 1));

@@ -68,16 +68,11 @@ mod gpu {
 
     /// Logits with many exact ties and some -inf: values on a coarse grid.
     fn tie_heavy_logits(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed | 1;
+        let mut next = common::xorshift(seed);
         (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                match s % 50 {
-                    0 => f32::NEG_INFINITY,
-                    r => (r as f32 - 25.0) * 0.25,
-                }
+            .map(|_| match next() % 50 {
+                0 => f32::NEG_INFINITY,
+                r => (r as f32 - 25.0) * 0.25,
             })
             .collect()
     }

@@ -151,15 +151,8 @@ proptest! {
 
 /// Random logits with a per-position temperature, so trees take varied shapes.
 fn common_logits(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|i| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * (1.0 + (i % 5) as f32)
-        })
-        .collect()
+    let mut next = common::xorshift(seed);
+    (0..n).map(|i| ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * (1.0 + (i % 5) as f32)).collect()
 }
 
 #[test]

@@ -3,7 +3,7 @@
 
 use half::bf16;
 
-use crate::error::{check_len, Error, Result};
+use crate::error::{Error, Result};
 use crate::types::KvLayout;
 
 /// Validated (source, destination) element offsets of every move of request `b` in layer 0; other
@@ -52,10 +52,7 @@ pub fn kv_compact(
     n_rows: usize,
 ) -> Result<()> {
     let bs = seq_len.len();
-    check_len("cache", cache.len(), &[("elems", layout.elems())])?;
-    check_len("block_table", block_table.len(), &[("bs", bs), ("pages_per_req", layout.pages_per_req)])?;
-    check_len("accept_len", accept_len.len(), &[("bs", bs)])?;
-    check_len("accept_rows", accept_rows.len(), &[("bs", bs), ("L+1", depth + 1)])?;
+    layout.check_compact_inputs(bs, cache.len(), block_table.len(), accept_len.len(), accept_rows.len(), depth)?;
     let layer_stride = layout.num_pages * layout.page_size * layout.row_elems;
     let d = layout.row_elems;
     for b in 0..bs {

@@ -7,8 +7,8 @@ use std::collections::BinaryHeap;
 use rayon::prelude::*;
 
 use super::order_key;
-use crate::error::{check_len, Error, Result};
-use crate::types::{DraftTree, TreeShape};
+use crate::error::{Error, Result};
+use crate::types::{check_tree_inputs, DraftTree, TreeShape};
 
 /// A frontier candidate: (parent row, depth, rank) with its score.
 #[derive(Clone, Copy, Debug)]
@@ -60,15 +60,8 @@ pub fn build_trees(
     root_token: &[i32],
     seq_len: &[i32],
 ) -> Result<DraftTree> {
-    if k == 0 {
-        return Err(Error::param("k", k, "need at least one candidate per depth"));
-    }
+    check_tree_inputs(shape, k, top_ids.len(), top_logp.len(), root_token.len(), seq_len.len())?;
     let (bs, depth, n) = (shape.bs, shape.depth, shape.rows());
-    let dims = [("bs", bs), ("L", depth), ("K", k)];
-    check_len("top_ids", top_ids.len(), &dims)?;
-    check_len("top_logp", top_logp.len(), &dims)?;
-    check_len("root_token", root_token.len(), &dims[..1])?;
-    check_len("seq_len", seq_len.len(), &dims[..1])?;
     if let Some(i) = top_logp.iter().position(|v| v.is_nan()) {
         return Err(Error::Logits { name: "top_logp", row: i / k, problem: "NaN log-prob" });
     }

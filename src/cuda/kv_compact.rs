@@ -5,7 +5,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use super::{cuda_err, to_i32, Gpu, MAX_SHARED_BYTES};
-use crate::error::{check_len, Error, Result};
+use crate::error::{Error, Result};
 use crate::types::KvLayout;
 
 /// Device inputs of one compaction: block tables, prefix lengths and the accepted paths.
@@ -34,10 +34,14 @@ pub fn kv_compact(
     status: &mut CudaSlice<i32>,
 ) -> Result<()> {
     let bs = args.seq_len.len();
-    check_len("cache", cache.len(), &[("elems", layout.elems())])?;
-    check_len("block_table", args.block_table.len(), &[("bs", bs), ("pages_per_req", layout.pages_per_req)])?;
-    check_len("accept_len", args.accept_len.len(), &[("bs", bs)])?;
-    check_len("accept_rows", args.accept_rows.len(), &[("bs", bs), ("L+1", args.depth + 1)])?;
+    layout.check_compact_inputs(
+        bs,
+        cache.len(),
+        args.block_table.len(),
+        args.accept_len.len(),
+        args.accept_rows.len(),
+        args.depth,
+    )?;
     if args.depth == 0 || args.depth > crate::MAX_DEPTH {
         return Err(Error::param("depth", args.depth, format!("must be in 1..={}", crate::MAX_DEPTH)));
     }

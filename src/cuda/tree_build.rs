@@ -3,8 +3,8 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{cuda_err, status_error, Gpu, MAX_SHARED_BYTES};
-use crate::error::{check_len, Error, Result};
-use crate::types::{DraftTree, TreeShape};
+use crate::error::{Error, Result};
+use crate::types::{check_tree_inputs, DraftTree, TreeShape};
 
 /// Device buffers of a tree batch; the same arrays as [`DraftTree`] plus per-request status words.
 pub struct DeviceTree {
@@ -99,14 +99,7 @@ pub fn build_trees(
     out: &mut DeviceTree,
 ) -> Result<()> {
     let s = out.shape;
-    if k == 0 || k > 4095 {
-        return Err(Error::param("k", k, "must be in 1..=4095"));
-    }
-    let dims = [("bs", s.bs), ("L", s.depth), ("K", k)];
-    check_len("top_ids", top_ids.len(), &dims)?;
-    check_len("top_logp", top_logp.len(), &dims)?;
-    check_len("root_token", root_token.len(), &dims[..1])?;
-    check_len("seq_len", seq_len.len(), &dims[..1])?;
+    check_tree_inputs(s, k, top_ids.len(), top_logp.len(), root_token.len(), seq_len.len())?;
     let smem = shared_bytes(s, k);
     if smem > MAX_SHARED_BYTES {
         return Err(Error::param(
@@ -141,11 +134,7 @@ impl Gpu {
         root_token: &[i32],
         seq_len: &[i32],
     ) -> Result<DraftTree> {
-        let dims = [("bs", shape.bs), ("L", shape.depth), ("K", k)];
-        check_len("top_ids", top_ids.len(), &dims)?;
-        check_len("top_logp", top_logp.len(), &dims)?;
-        check_len("root_token", root_token.len(), &dims[..1])?;
-        check_len("seq_len", seq_len.len(), &dims[..1])?;
+        check_tree_inputs(shape, k, top_ids.len(), top_logp.len(), root_token.len(), seq_len.len())?;
         let mut out = DeviceTree::alloc(self, shape)?;
         let (ids, logp) = (self.upload(top_ids)?, self.upload(top_logp)?);
         let (root, seq) = (self.upload(root_token)?, self.upload(seq_len)?);

@@ -21,6 +21,17 @@ pub fn cases(kernel: &str) -> Vec<Fixture> {
     cases
 }
 
+/// A small deterministic generator (xorshift64) for test data; `seed` 0 is mapped to 1.
+pub fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut s = seed | 1;
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    }
+}
+
 /// Asserts two arrays are identical, naming the array, the case and the first differing index.
 pub fn assert_same<T: PartialEq + std::fmt::Debug>(case: &str, name: &str, got: &[T], want: &[T]) {
     assert_eq!(got.len(), want.len(), "{case}: `{name}` length");
