@@ -105,7 +105,7 @@ __device__ void fused_kernel(const T* __restrict__ logits, int vocab, int n_rows
                              int* __restrict__ accept_len, int* __restrict__ accept_rows, int* __restrict__ emitted,
                              int* __restrict__ status) {
     __shared__ typename ReduceU64::TempStorage reduce;
-    __shared__ bool last_flag;
+    __shared__ bool row_done, request_done;  // two flags: thread 0 sets the second while others read the first
     __shared__ WalkSmem walk_smem;
     const int chunk = blockIdx.x, row = blockIdx.y, b = blockIdx.z, chunks = gridDim.x;
     const int valid_rows = min(num_nodes[b], n_rows - 1) + 1;
@@ -120,10 +120,10 @@ __device__ void fused_kernel(const T* __restrict__ logits, int vocab, int n_rows
         partial[grow * chunks + chunk] = key;
         __threadfence();
         unsigned prev = atomicAdd(&row_arrivals[grow], 1u);
-        last_flag = prev == (unsigned)chunks - 1;
+        row_done = prev == (unsigned)chunks - 1;
     }
     __syncthreads();
-    if (!last_flag) return;
+    if (!row_done) return;
 
     if (threadIdx.x == 0) {
         row_arrivals[grow] = 0;
@@ -134,10 +134,10 @@ __device__ void fused_kernel(const T* __restrict__ logits, int vocab, int n_rows
         if (nan_row) atomicOr(&status[b], STATUS_NAN);
         __threadfence();
         unsigned prev = atomicAdd(&req_arrivals[b], 1u);
-        last_flag = prev == (unsigned)valid_rows - 1;
+        request_done = prev == (unsigned)valid_rows - 1;
     }
     __syncthreads();
-    if (!last_flag) return;
+    if (!request_done) return;
 
     const size_t first_row = (size_t)b * n_rows;
     load_tree(walk_smem, node_token + first_row, first_child + first_row, next_sibling + first_row,

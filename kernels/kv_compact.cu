@@ -3,7 +3,8 @@
 //
 // One CTA per (layer, request). Sources are staged in shared memory before any destination is written,
 // because a destination slot can be the source of a later step (accept_rows [0, 2, 3] reads slot 2 and
-// writes slot 1, then reads slot 3 and writes slot 2). Requests and layers touch disjoint rows.
+// writes slot 1, then reads slot 3 and writes slot 2). Layers are disjoint, and so are requests as long
+// as their block tables share no page (the caller's contract).
 #include "common.cuh"
 
 namespace kdt {

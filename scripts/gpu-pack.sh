@@ -18,8 +18,8 @@ for line in sys.stdin:
         print(sys.argv[1] + "/" + msg["target"]["name"])
 ' "$1" "$2"
 }
-cargo test --release --features "$features" --no-run --message-format=json 2>/dev/null | copy_executables gpu-pack/tests test
-cargo bench --features "$features" --no-run --message-format=json 2>/dev/null | copy_executables gpu-pack/benches bench
+cargo test --release --features "$features" --no-run --message-format=json | copy_executables gpu-pack/tests test
+cargo bench --features "$features" --no-run --message-format=json | copy_executables gpu-pack/benches bench
 cargo build --release --features "$features" --example build_tree
 cp target/release/examples/build_tree gpu-pack/examples/
 du -sh gpu-pack

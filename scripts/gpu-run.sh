@@ -11,6 +11,7 @@ logs=$out/logs
 mkdir -p "$logs"
 export KDTREE_FIXTURES=$PWD/fixtures
 export CRITERION_HOME=$PWD/target/criterion
+export KDTREE_REQUIRE_GPU=1  # a GPU test that finds no device fails instead of skipping
 steps=${*:-tests sanitize bench}
 : >"$out/summary.txt"
 note() { echo "$1" >>"$out/summary.txt"; }  # written as it goes, so a run cut short still reports
@@ -78,4 +79,4 @@ done
 [ -d target/criterion ] && tar -czf "$out/criterion.tar.gz" -C target criterion
 tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$logs"
 cat "$out/gpu.txt" "$out/summary.txt"
-[ -d target/criterion ] && python3 benches/report.py target/criterion
+if [ -d target/criterion ]; then python3 benches/report.py target/criterion; fi

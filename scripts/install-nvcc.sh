@@ -13,4 +13,5 @@ python3 -m venv "$venv"
 nvcc=$(ls "$venv"/lib/python3*/site-packages/nvidia/cu13/bin/nvcc)
 "$nvcc" --version | grep -q 'release 13.0' || { echo "error: $nvcc is not release 13.0" >&2; exit 1; }
 echo "nvcc installed: $nvcc"
-echo "to build the CUDA kernels:  export NVCC=$nvcc"
+echo "to build the CUDA kernels:  export NVCC=$nvcc PATH=$(dirname "$nvcc"):\$PATH"
+echo "(build.rs uses \$NVCC; the \`cuda\` feature alone also runs \`nvcc --version\` from PATH to pick the CUDA version)"

@@ -32,7 +32,8 @@ pub enum Error {
     Logits {
         /// The argument's name.
         name: &'static str,
-        /// The flattened row index (request * rows_per_request + row).
+        /// For top-K, the flattened (request, draft position) row; for tree build and greedy accept, the
+        /// request (the CUDA kernels report per request there).
         row: usize,
         /// What was wrong.
         problem: &'static str,
@@ -83,10 +84,13 @@ impl Error {
 
 /// Checks that `actual` equals the element count of `dims`, naming the argument and its shape otherwise.
 pub fn check_len(name: &'static str, actual: usize, dims: &[(&str, usize)]) -> Result<()> {
-    let expected: usize = dims.iter().map(|(_, d)| d).product();
+    let shape = || format!("[{}]", dims.iter().map(|(n, d)| format!("{n}={d}")).collect::<Vec<_>>().join(", "));
+    let expected = dims
+        .iter()
+        .try_fold(1usize, |acc, (_, d)| acc.checked_mul(*d))
+        .ok_or_else(|| Error::param(name, shape(), "the shape's element count overflows usize"))?;
     if actual == expected {
         return Ok(());
     }
-    let shape = dims.iter().map(|(n, d)| format!("{n}={d}")).collect::<Vec<_>>().join(", ");
-    Err(Error::shape(name, format!("[{shape}]"), expected, actual))
+    Err(Error::shape(name, shape(), expected, actual))
 }

@@ -47,10 +47,11 @@ pub mod fixture;
 pub mod types;
 
 pub use error::{Error, Result};
-pub use types::{Acceptance, DraftTree, KvLayout, Logits, TopK, TreeShape};
+pub use types::{Acceptance, DraftTree, KvLayout, Logits, TopK, TreeShape, MAX_TREE_K};
 
-/// Largest tree budget B (draft nodes, root excluded) that every backend supports; the CUDA tree build
-/// keeps the whole tree and its visibility bitmask in shared memory.
+/// Largest tree budget B (draft nodes, root excluded) that every backend supports. The CUDA kernels are
+/// sized for it: the tree build's frontier holds 2B + 1 slots in 33 registers per lane, greedy accept
+/// keeps up to 520 rows in shared memory.
 pub const MAX_BUDGET: usize = 512;
 /// Largest number of draft positions L (the tree's depth).
 pub const MAX_DEPTH: usize = 63;

@@ -76,16 +76,6 @@ pub struct TopK {
     pub lse: Vec<f32>,
 }
 
-impl TopK {
-    /// Checks the array lengths against `bs`, `depth` and `k`.
-    pub fn check(&self) -> Result<()> {
-        let dims = [("bs", self.bs), ("L", self.depth), ("K", self.k)];
-        check_len("top_ids", self.ids.len(), &dims)?;
-        check_len("top_logp", self.logp.len(), &dims)?;
-        check_len("lse", self.lse.len(), &dims[..2])
-    }
-}
-
 /// The shape of a draft tree batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TreeShape {
@@ -100,6 +90,14 @@ pub struct TreeShape {
 impl TreeShape {
     /// Validates the budget and depth limits.
     pub fn new(bs: usize, depth: usize, budget: usize) -> Result<Self> {
+        let shape = TreeShape { bs, depth, budget };
+        shape.validate()?;
+        Ok(shape)
+    }
+
+    /// Checks the limits again (the fields are public, so a shape may not have come from [`TreeShape::new`]).
+    pub fn validate(&self) -> Result<()> {
+        let TreeShape { bs, depth, budget } = *self;
         if bs == 0 {
             return Err(Error::param("bs", bs, "need at least one request"));
         }
@@ -109,7 +107,7 @@ impl TreeShape {
         if depth == 0 || depth > MAX_DEPTH {
             return Err(Error::param("depth", depth, format!("draft depth L must be in 1..={MAX_DEPTH}")));
         }
-        Ok(TreeShape { bs, depth, budget })
+        Ok(())
     }
 
     /// Rows per request, N = B + 1 (the root is row 0).
@@ -127,7 +125,7 @@ impl TreeShape {
 pub const MAX_TREE_K: usize = 4095;
 
 /// Checks the tree-build inputs, by length: `[bs, L, K]` top ids and log-probs, `[bs]` root tokens and
-/// prefix lengths, and K in `1..=MAX_TREE_K`.
+/// prefix lengths, K in `1..=MAX_TREE_K`, and the shape's limits.
 pub fn check_tree_inputs(
     shape: TreeShape,
     k: usize,
@@ -136,6 +134,7 @@ pub fn check_tree_inputs(
     root_token: usize,
     seq_len: usize,
 ) -> Result<()> {
+    shape.validate()?;
     if k == 0 || k > MAX_TREE_K {
         return Err(Error::param("k", k, format!("candidates per depth must be in 1..={MAX_TREE_K}")));
     }
@@ -144,6 +143,36 @@ pub fn check_tree_inputs(
     check_len("top_logp", top_logp, &dims)?;
     check_len("root_token", root_token, &dims[..1])?;
     check_len("seq_len", seq_len, &dims[..1])
+}
+
+/// Checks host prefix lengths: `0 <= seq_len` and `seq_len + depth` (a node's position) fits in i32.
+pub fn check_seq_len(seq_len: &[i32], depth: usize) -> Result<()> {
+    match seq_len.iter().position(|&s| s < 0 || s as i64 + depth as i64 > i32::MAX as i64) {
+        Some(b) => {
+            Err(Error::param("seq_len", seq_len[b], format!("request {b}: must be >= 0 with seq_len + L in i32")))
+        }
+        None => Ok(()),
+    }
+}
+
+/// Checks host tree-build log-probs: NaN and +inf are errors (a +inf score makes the sums NaN, whose order
+/// differs between platforms); -inf is a zero-probability candidate. Reports the request.
+pub fn check_top_logp(top_logp: &[f32], per_request: usize) -> Result<()> {
+    match top_logp.iter().position(|v| v.is_nan() || *v == f32::INFINITY) {
+        Some(i) => {
+            let problem = if top_logp[i].is_nan() { "NaN log-prob" } else { "+inf log-prob" };
+            Err(Error::Logits { name: "top_logp", row: i / per_request.max(1), problem })
+        }
+        None => Ok(()),
+    }
+}
+
+/// Checks greedy-accept inputs: the tree, the vocabulary, and `[bs, N, V]` target logits.
+pub fn check_target_logits(tree: &DraftTree, len: usize, vocab: usize) -> Result<()> {
+    tree.check()?;
+    check_vocab(vocab)?;
+    let s = tree.shape;
+    check_len("target_logits", len, &[("bs", s.bs), ("N", s.rows()), ("V", vocab)])
 }
 
 /// A batch of draft trees (DESIGN.md §4.1 step 3). Rows past `num_nodes[b]` are padding: -1, and 0 in
@@ -174,6 +203,7 @@ impl DraftTree {
     /// Checks every array's length against the shape.
     pub fn check(&self) -> Result<()> {
         let s = self.shape;
+        s.validate()?;
         let rows = [("bs", s.bs), ("N", s.rows())];
         check_len("num_nodes", self.num_nodes.len(), &rows[..1])?;
         for (name, v) in [
@@ -186,7 +216,21 @@ impl DraftTree {
         ] {
             check_len(name, v.len(), &rows)?;
         }
-        check_len("visibility", self.visibility.len(), &[("bs", s.bs), ("N", s.rows()), ("W", s.words())])
+        check_len("visibility", self.visibility.len(), &[("bs", s.bs), ("N", s.rows()), ("W", s.words())])?;
+        if let Some(b) = self.num_nodes.iter().position(|&n| n < 0 || n as usize > s.budget) {
+            return Err(Error::param(
+                "num_nodes",
+                self.num_nodes[b],
+                format!("request {b}: must be in 0..={}", s.budget),
+            ));
+        }
+        let n_rows = s.rows() as i32;
+        for (name, links) in [("first_child", &self.first_child), ("next_sibling", &self.next_sibling)] {
+            if let Some(i) = links.iter().position(|&c| c < -1 || c >= n_rows) {
+                return Err(Error::Index { name, detail: format!("entry {i} is {}, outside -1..{n_rows}", links[i]) });
+            }
+        }
+        Ok(())
     }
 
     /// Row range of request `b` in the `[bs, N]` arrays.
@@ -203,7 +247,8 @@ pub struct Acceptance {
     pub bs: usize,
     /// Draft positions L; the path arrays have L + 1 columns.
     pub depth: usize,
-    /// `[bs, N]` target argmax per valid row, -1 for padding rows.
+    /// `[bs, N]` target argmax per valid row, -1 for padding rows when computed from logits (as given
+    /// when the argmax was the input).
     pub target_argmax: Vec<i32>,
     /// `[bs]` accepted draft nodes (root excluded).
     pub accept_len: Vec<i32>,
@@ -241,7 +286,25 @@ impl KvLayout {
         accept_rows: usize,
         depth: usize,
     ) -> Result<()> {
-        check_len("cache", cache, &[("elems", self.elems())])?;
+        for (name, v) in [
+            ("layers", self.layers),
+            ("num_pages", self.num_pages),
+            ("page_size", self.page_size),
+            ("row_elems", self.row_elems),
+            ("pages_per_req", self.pages_per_req),
+        ] {
+            if v == 0 {
+                return Err(Error::param(name, v, "the KV layout needs every dimension >= 1"));
+            }
+        }
+        if depth == 0 || depth > MAX_DEPTH {
+            return Err(Error::param("depth", depth, format!("must be in 1..={MAX_DEPTH}")));
+        }
+        let elems = [self.layers, self.num_pages, self.page_size, self.row_elems]
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| Error::param("KvLayout", format!("{self:?}"), "element count overflows usize"))?;
+        check_len("cache", cache, &[("elems", elems)])?;
         check_len("block_table", block_table, &[("bs", bs), ("pages_per_req", self.pages_per_req)])?;
         check_len("accept_len", accept_len, &[("bs", bs)])?;
         check_len("accept_rows", accept_rows, &[("bs", bs), ("L+1", depth + 1)])
@@ -254,6 +317,9 @@ impl KvLayout {
 
     /// Element offset of `slot` of a request whose block table is `table`, in `layer`.
     pub fn slot_offset(&self, table: &[i32], layer: usize, slot: usize) -> Result<usize> {
+        if layer >= self.layers || self.page_size == 0 {
+            return Err(Error::param("layer", layer, format!("must be < {} with page_size >= 1", self.layers)));
+        }
         let idx = slot / self.page_size;
         let page = *table.get(idx).ok_or_else(|| Error::Index {
             name: "block_table",

@@ -115,6 +115,12 @@ fn bad_input_is_a_named_error() {
     target[5] = f32::NAN; // row 0 is always valid
     assert!(matches!(greedy_accept(&tree, Logits::F32(&target), 20), Err(Error::Logits { row: 0, .. })));
     assert!(matches!(accept_from_argmax(&tree, &[0; 3]), Err(Error::Shape { name: "target_argmax", .. })));
+    let mut broken = tree.clone();
+    broken.num_nodes[1] = -1;
+    assert!(matches!(accept_from_argmax(&broken, &vec![0; 2 * 9]), Err(Error::Param { name: "num_nodes", .. })));
+    let mut broken = tree.clone();
+    broken.next_sibling[3] = 9; // N is 9
+    assert!(matches!(accept_from_argmax(&broken, &vec![0; 2 * 9]), Err(Error::Index { name: "next_sibling", .. })));
 }
 
 #[cfg(feature = "cuda")]

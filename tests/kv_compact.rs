@@ -88,6 +88,24 @@ fn bad_input_is_a_named_error() {
     table.iter_mut().for_each(|p| *p = c.layout.num_pages as i32);
     assert!(matches!(run(&table, &c.accept_rows), Err(Error::Index { name: "block_table", .. })));
     assert!(matches!(run(&c.table[1..], &c.accept_rows), Err(Error::Shape { name: "block_table", .. })));
+
+    // A bad later request leaves the cache untouched, even for the requests before it.
+    let last = c.seq_len.len() - 1;
+    let mut rows = c.accept_rows.clone();
+    let mut alen = c.accept_len.clone();
+    alen[last] = 1;
+    rows[last * w + 1] = c.n_rows as i32;
+    let mut cache = c.cache.clone();
+    let err = kv_compact(&mut cache, &c.layout, &c.table, &c.seq_len, &alen, &rows, c.depth, c.n_rows).unwrap_err();
+    assert!(matches!(err, Error::Index { name: "accept_rows", .. }), "{err}");
+    assert_eq!(bits(&cache), bits(&c.cache));
+
+    let zero_pages = KvLayout { page_size: 0, ..c.layout };
+    let mut cache = c.cache.clone();
+    let err =
+        kv_compact(&mut cache, &zero_pages, &c.table, &c.seq_len, &c.accept_len, &c.accept_rows, c.depth, c.n_rows)
+            .unwrap_err();
+    assert!(matches!(err, Error::Param { name: "page_size", .. }), "{err}");
 }
 
 #[cfg(feature = "cuda")]

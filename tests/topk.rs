@@ -57,6 +57,8 @@ fn bad_input_is_a_named_error() {
     assert!(matches!(run(&ok[..15], 4), Err(Error::Shape { name: "logits", .. })));
     assert!(matches!(run(&ok, 0), Err(Error::Param { name: "k", .. })));
     assert!(matches!(run(&ok, 9), Err(Error::Param { name: "k", .. })));
+    let huge = topk_logsumexp(Logits::F32(&ok), 1 << 40, 1 << 40, 8, 4);
+    assert!(matches!(huge, Err(Error::Param { name: "logits", .. })), "a shape whose size overflows is an error");
 }
 
 #[cfg(feature = "cuda")]

@@ -164,6 +164,13 @@ fn bad_input_is_a_named_error() {
     let (ids, mut logp) = (vec![1, 2, 3, 4], vec![-0.1f32, -0.2, -0.3, -0.4]);
     assert!(matches!(build_trees(shape, 2, &ids[..3], &logp, &[0], &[0]), Err(Error::Shape { name: "top_ids", .. })));
     assert!(matches!(build_trees(shape, 2, &ids, &logp, &[0, 1], &[0]), Err(Error::Shape { name: "root_token", .. })));
+    let bypass = TreeShape { bs: 1, depth: 0, budget: 3 }; // a literal skips TreeShape::new
+    assert!(matches!(build_trees(bypass, 1, &[], &[], &[7], &[0]), Err(Error::Param { name: "depth", .. })));
+    assert!(matches!(build_trees(shape, 2, &ids, &logp, &[0], &[-1]), Err(Error::Param { name: "seq_len", .. })));
+    assert!(matches!(build_trees(shape, 2, &ids, &logp, &[0], &[i32::MAX]), Err(Error::Param { name: "seq_len", .. })));
+    logp[2] = f32::INFINITY;
+    let err = build_trees(shape, 2, &ids, &logp, &[0], &[0]).unwrap_err();
+    assert!(matches!(err, Error::Logits { name: "top_logp", problem: "+inf log-prob", .. }), "{err}");
     logp[2] = f32::NAN;
     assert!(matches!(build_trees(shape, 2, &ids, &logp, &[0], &[0]), Err(Error::Logits { name: "top_logp", .. })));
 }

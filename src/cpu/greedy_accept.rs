@@ -5,7 +5,7 @@ use rayon::prelude::*;
 
 use super::composite_key;
 use crate::error::{check_len, Error, Result};
-use crate::types::{check_vocab, Acceptance, DraftTree, Logits};
+use crate::types::{check_target_logits, Acceptance, DraftTree, Logits};
 
 /// Argmax of one row, ties to the smaller index; NaN is an error.
 pub fn row_argmax(row: impl Iterator<Item = f32>) -> std::result::Result<i32, &'static str> {
@@ -19,8 +19,8 @@ pub fn row_argmax(row: impl Iterator<Item = f32>) -> std::result::Result<i32, &'
     Ok(!(best as u32) as i32)
 }
 
-/// Walks one request's tree: returns the accepted rows after the root and the bonus token.
-pub fn walk(tree: &DraftTree, b: usize, argmax: &[i32]) -> (Vec<usize>, i32) {
+/// Walks one request's tree (already checked): returns the accepted rows after the root and the bonus token.
+pub(crate) fn walk(tree: &DraftTree, b: usize, argmax: &[i32]) -> (Vec<usize>, i32) {
     let base = b * tree.shape.rows();
     let n_rows = tree.shape.rows();
     let mut path = Vec::new();
@@ -76,11 +76,9 @@ pub fn accept_from_argmax(tree: &DraftTree, argmax: &[i32]) -> Result<Acceptance
 
 /// Argmax of every valid row of `target_logits [bs, N, V]` (-1 for padding rows), then the walk.
 pub fn greedy_accept(tree: &DraftTree, target_logits: Logits, vocab: usize) -> Result<Acceptance> {
-    tree.check()?;
-    check_vocab(vocab)?;
+    check_target_logits(tree, target_logits.len(), vocab)?;
     let s = tree.shape;
     let n_rows = s.rows();
-    check_len("target_logits", target_logits.len(), &[("bs", s.bs), ("N", n_rows), ("V", vocab)])?;
     let argmax: Vec<i32> = (0..s.bs * n_rows)
         .into_par_iter()
         .map(|r| {
@@ -90,7 +88,7 @@ pub fn greedy_accept(tree: &DraftTree, target_logits: Logits, vocab: usize) -> R
             }
             row_argmax((0..vocab).map(|v| target_logits.get(r * vocab + v))).map_err(|problem| Error::Logits {
                 name: "target_logits",
-                row: r,
+                row: b,
                 problem,
             })
         })

@@ -6,8 +6,8 @@ use half::bf16;
 use crate::error::{Error, Result};
 use crate::types::KvLayout;
 
-/// Validated (source, destination) element offsets of every move of request `b` in layer 0; other
-/// layers add `layer * layer_stride`.
+/// Validated (source, destination) element offsets of every move of one request (block table `table`)
+/// in layer 0; other layers add `layer * layer_stride`.
 fn moves(
     layout: &KvLayout,
     table: &[i32],
@@ -55,10 +55,15 @@ pub fn kv_compact(
     layout.check_compact_inputs(bs, cache.len(), block_table.len(), accept_len.len(), accept_rows.len(), depth)?;
     let layer_stride = layout.num_pages * layout.page_size * layout.row_elems;
     let d = layout.row_elems;
-    for b in 0..bs {
-        let table = &block_table[b * layout.pages_per_req..(b + 1) * layout.pages_per_req];
-        let path = &accept_rows[b * (depth + 1)..(b + 1) * (depth + 1)];
-        let plan = moves(layout, table, seq_len[b], accept_len[b], path, n_rows)?;
+    // Every request is validated before any row moves, so an error leaves the cache untouched.
+    let plans = (0..bs)
+        .map(|b| {
+            let table = &block_table[b * layout.pages_per_req..(b + 1) * layout.pages_per_req];
+            let path = &accept_rows[b * (depth + 1)..(b + 1) * (depth + 1)];
+            moves(layout, table, seq_len[b], accept_len[b], path, n_rows)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    for plan in &plans {
         for layer in 0..layout.layers {
             let base = layer * layer_stride;
             let staged: Vec<bf16> =

@@ -15,11 +15,15 @@ pub const LSE_CHUNK: usize = 8192;
 /// Fixed-point scale of the chunk sums, 2^44.
 const FIXED_SCALE: f32 = 17_592_186_044_416.0;
 
-/// exp(d) for d <= 0 from single rounded f32 operations (no fused multiply-add), 0 below -31.
+/// exp(d) for d <= 0 from single rounded f32 operations (no fused multiply-add), 0 below -31 and for
+/// NaN; NaN for d > 0, outside its domain.
 pub fn expd(d: f32) -> f32 {
     const C: [u32; 7] = [0x3AB6_0B61, 0x3C08_8889, 0x3D2A_AAAB, 0x3E2A_AAAB, 0x3F00_0000, 0x3F80_0000, 0x3F80_0000];
     if d.is_nan() || d < -31.0 {
         return 0.0;
+    }
+    if d > 0.0 {
+        return f32::NAN;
     }
     let k = (d * f32::from_bits(0x3FB8_AA3B)).round_ties_even();
     let mut r = d - k * f32::from_bits(0x3F31_7200);

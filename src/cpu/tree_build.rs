@@ -7,8 +7,8 @@ use std::collections::BinaryHeap;
 use rayon::prelude::*;
 
 use super::order_key;
-use crate::error::{Error, Result};
-use crate::types::{check_tree_inputs, DraftTree, TreeShape};
+use crate::error::Result;
+use crate::types::{check_seq_len, check_top_logp, check_tree_inputs, DraftTree, TreeShape};
 
 /// A frontier candidate: (parent row, depth, rank) with its score.
 #[derive(Clone, Copy, Debug)]
@@ -40,15 +40,15 @@ impl Frontier {
 }
 
 /// Per-request inputs: `[L, K]` top ids and log-probs, the root token and the prefix length.
-pub struct TreeInput<'a> {
+pub(crate) struct TreeInput<'a> {
     /// `[L, K]` token ids per depth, best first.
-    pub top_ids: &'a [i32],
+    pub(crate) top_ids: &'a [i32],
     /// `[L, K]` log-probs matching `top_ids`.
-    pub top_logp: &'a [f32],
+    pub(crate) top_logp: &'a [f32],
     /// Token of row 0 (the bonus token of the last step).
-    pub root_token: i32,
+    pub(crate) root_token: i32,
     /// Tokens already in the cache; positions are `seq_len + depth`.
-    pub seq_len: i32,
+    pub(crate) seq_len: i32,
 }
 
 /// Builds the trees of a batch from `top_ids` / `top_logp [bs, L, K]`.
@@ -62,9 +62,8 @@ pub fn build_trees(
 ) -> Result<DraftTree> {
     check_tree_inputs(shape, k, top_ids.len(), top_logp.len(), root_token.len(), seq_len.len())?;
     let (bs, depth, n) = (shape.bs, shape.depth, shape.rows());
-    if let Some(i) = top_logp.iter().position(|v| v.is_nan()) {
-        return Err(Error::Logits { name: "top_logp", row: i / k, problem: "NaN log-prob" });
-    }
+    check_top_logp(top_logp, depth * k)?;
+    check_seq_len(seq_len, depth)?;
     let words = shape.words();
     let mut tree = DraftTree {
         shape,
@@ -104,8 +103,8 @@ pub fn build_trees(
     Ok(tree)
 }
 
-/// One request's tree (a `DraftTree` with bs = 1).
-pub fn build_one(input: &TreeInput, depth: usize, k: usize, budget: usize) -> DraftTree {
+/// One request's tree (a `DraftTree` with bs = 1), from validated inputs.
+pub(crate) fn build_one(input: &TreeInput, depth: usize, k: usize, budget: usize) -> DraftTree {
     let n_rows = budget + 1;
     let words = n_rows.div_ceil(32);
     let logp = |d: usize, r: usize| input.top_logp[(d - 1) * k + r];

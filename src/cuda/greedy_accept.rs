@@ -6,7 +6,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use super::tree_build::DeviceTree;
 use super::{cuda_err, status_error, to_i32, DeviceLogits, Gpu};
 use crate::error::{check_len, Error, Result};
-use crate::types::{check_vocab, Acceptance, DraftTree, Logits, TreeShape};
+use crate::types::{check_target_logits, check_vocab, Acceptance, DraftTree, Logits, TreeShape};
 
 const THREADS: u32 = 256;
 /// Logits per CTA (kernels/greedy_accept.cu CHUNK).
@@ -42,6 +42,17 @@ impl DeviceAcceptance {
         })
     }
 
+    /// Checks the buffer lengths against the shape (the fields are public).
+    fn check_buffers(&self) -> Result<()> {
+        let s = self.shape;
+        let width = [("bs", s.bs), ("L+1", s.depth + 1)];
+        check_len("target_argmax", self.target_argmax.len(), &[("bs", s.bs), ("N", s.rows())])?;
+        check_len("accept_len", self.accept_len.len(), &width[..1])?;
+        check_len("accept_rows", self.accept_rows.len(), &width)?;
+        check_len("emitted", self.emitted.len(), &width)?;
+        check_len("status", self.status.len(), &width[..1])
+    }
+
     /// Copies the outputs to the host, returning an error if a valid row's logits held NaN.
     pub fn to_host(&self, gpu: &Gpu) -> Result<Acceptance> {
         status_error("target_logits", &gpu.download(&self.status)?)?;
@@ -71,8 +82,9 @@ impl AcceptPlan {
     /// Allocates the scratch for trees of `shape` over `vocab` logits per row.
     pub fn new(gpu: &Gpu, shape: TreeShape, vocab: usize) -> Result<Self> {
         check_vocab(vocab)?;
-        if shape.rows() > 65_535 || shape.bs > 65_535 {
-            return Err(Error::param("bs", shape.bs, "at most 65535 requests per launch"));
+        shape.validate()?;
+        if shape.bs > 65_535 {
+            return Err(Error::param("bs", shape.bs, "at most 65535 requests per launch (the grid's z dimension)"));
         }
         let chunks = vocab.div_ceil(CHUNK);
         let rows = shape.bs * shape.rows();
@@ -99,6 +111,7 @@ impl AcceptPlan {
             return Err(Error::param("tree", format!("{:?}", tree.shape), format!("the plan was made for {s:?}")));
         }
         check_len("target_logits", logits.len(), &[("bs", s.bs), ("N", s.rows()), ("V", self.vocab)])?;
+        out.check_buffers()?;
         gpu.stream().memset_zeros(&mut out.status).map_err(|e| cuda_err("memset status", e))?;
         let (vocab, n_rows, depth) = (to_i32("vocab", self.vocab)?, s.rows() as i32, s.depth as i32);
         let cfg = LaunchConfig {
@@ -137,6 +150,7 @@ pub fn accept_from_argmax(
         return Err(Error::param("out", format!("{:?}", out.shape), format!("must match the tree's {s:?}")));
     }
     check_len("target_argmax", argmax.len(), &[("bs", s.bs), ("N", s.rows())])?;
+    out.check_buffers()?;
     gpu.stream().memcpy_dtod(argmax, &mut out.target_argmax).map_err(|e| cuda_err("copy argmax", e))?;
     let (n_rows, depth) = (s.rows() as i32, s.depth as i32);
     let cfg = LaunchConfig { grid_dim: (s.bs as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
@@ -151,10 +165,8 @@ pub fn accept_from_argmax(
 impl Gpu {
     /// Greedy accept of host `target_logits [bs, N, V]` over a host tree: uploads, runs, checks, downloads.
     pub fn greedy_accept(&self, tree: &DraftTree, target_logits: Logits, vocab: usize) -> Result<Acceptance> {
-        tree.check()?;
-        check_vocab(vocab)?;
+        check_target_logits(tree, target_logits.len(), vocab)?;
         let s = tree.shape;
-        check_len("target_logits", target_logits.len(), &[("bs", s.bs), ("N", s.rows()), ("V", vocab)])?;
         let dev_tree = DeviceTree::upload(self, tree)?;
         let mut plan = AcceptPlan::new(self, s, vocab)?;
         let mut out = DeviceAcceptance::alloc(self, s)?;

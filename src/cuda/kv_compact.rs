@@ -5,7 +5,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use super::{cuda_err, to_i32, Gpu, MAX_SHARED_BYTES};
-use crate::error::{Error, Result};
+use crate::error::{check_len, Error, Result};
 use crate::types::KvLayout;
 
 /// Device inputs of one compaction: block tables, prefix lengths and the accepted paths.
@@ -25,7 +25,9 @@ pub struct CompactArgs<'a> {
 }
 
 /// Queues the compaction of `cache` (`layout`) in place. `status[0]` becomes nonzero when a path row, a
-/// slot or a page id is out of range; that request is then left untouched.
+/// slot or a page id is out of range; that request is then left untouched. Requests must not share
+/// pages (their CTAs run concurrently). A negative `accept_len` counts as 0 on the device; the host entry
+/// [`Gpu::kv_compact`] rejects it, and negative `seq_len`, before anything runs.
 pub fn kv_compact(
     gpu: &Gpu,
     cache: &mut CudaSlice<bf16>,
@@ -42,8 +44,9 @@ pub fn kv_compact(
         args.accept_rows.len(),
         args.depth,
     )?;
-    if args.depth == 0 || args.depth > crate::MAX_DEPTH {
-        return Err(Error::param("depth", args.depth, format!("must be in 1..={}", crate::MAX_DEPTH)));
+    check_len("status", status.len(), &[("words", 1)])?;
+    if bs == 0 {
+        return Ok(());
     }
     let smem = args.depth * layout.row_elems * 2;
     if smem > MAX_SHARED_BYTES.min(48 * 1024) {
@@ -88,6 +91,12 @@ impl Gpu {
         depth: usize,
         n_rows: usize,
     ) -> Result<()> {
+        if let Some(b) = seq_len.iter().position(|&s| s < 0) {
+            return Err(Error::param("seq_len", seq_len[b], format!("request {b}: must be >= 0")));
+        }
+        if let Some(b) = accept_len.iter().position(|&a| a < 0 || a as usize > depth) {
+            return Err(Error::param("accept_len", accept_len[b], format!("request {b}: must be in 0..={depth}")));
+        }
         let mut dev = self.upload(cache)?;
         let (table, seq, alen, arows) =
             (self.upload(block_table)?, self.upload(seq_len)?, self.upload(accept_len)?, self.upload(accept_rows)?);

@@ -109,6 +109,10 @@ impl TopKPlan {
             ));
         }
         check_len("logits", logits.len(), &[("rows", rows), ("V", self.vocab)])?;
+        check_len("top_ids", out.ids.len(), &[("rows", out.rows), ("K", self.k)])?;
+        check_len("top_logp", out.logp.len(), &[("rows", out.rows), ("K", self.k)])?;
+        check_len("lse", out.lse.len(), &[("rows", out.rows)])?;
+        check_len("status", out.status.len(), &[("rows", out.rows)])?;
         let (vocab, k, chunks) = (to_i32("vocab", self.vocab)?, self.k as i32, self.chunks as i32);
         let chunk_cfg = LaunchConfig {
             grid_dim: (self.chunks as u32, rows as u32, 1),

@@ -3,8 +3,8 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{cuda_err, status_error, Gpu, MAX_SHARED_BYTES};
-use crate::error::{Error, Result};
-use crate::types::{check_tree_inputs, DraftTree, TreeShape};
+use crate::error::{check_len, Error, Result};
+use crate::types::{check_seq_len, check_top_logp, check_tree_inputs, DraftTree, TreeShape};
 
 /// Device buffers of a tree batch; the same arrays as [`DraftTree`] plus per-request status words.
 pub struct DeviceTree {
@@ -33,6 +33,7 @@ pub struct DeviceTree {
 impl DeviceTree {
     /// Allocates the buffers for `shape`.
     pub fn alloc(gpu: &Gpu, shape: TreeShape) -> Result<Self> {
+        shape.validate()?;
         let rows = shape.bs * shape.rows();
         Ok(DeviceTree {
             shape,
@@ -63,6 +64,25 @@ impl DeviceTree {
             visibility: gpu.upload(&tree.visibility)?,
             status: gpu.zeros(tree.shape.bs)?,
         })
+    }
+
+    /// Checks the buffer lengths against the shape (the fields are public).
+    fn check_buffers(&self) -> Result<()> {
+        let s = self.shape;
+        let rows = [("bs", s.bs), ("N", s.rows())];
+        check_len("num_nodes", self.num_nodes.len(), &rows[..1])?;
+        check_len("status", self.status.len(), &rows[..1])?;
+        for (name, v) in [
+            ("node_token", &self.node_token),
+            ("node_depth", &self.node_depth),
+            ("parent", &self.parent),
+            ("first_child", &self.first_child),
+            ("next_sibling", &self.next_sibling),
+            ("position", &self.position),
+        ] {
+            check_len(name, v.len(), &rows)?;
+        }
+        check_len("visibility", self.visibility.len(), &[("bs", s.bs), ("N", s.rows()), ("W", s.words())])
     }
 
     /// Copies the tree to the host, returning an error if a request's log-probs held NaN.
@@ -100,6 +120,7 @@ pub fn build_trees(
 ) -> Result<()> {
     let s = out.shape;
     check_tree_inputs(s, k, top_ids.len(), top_logp.len(), root_token.len(), seq_len.len())?;
+    out.check_buffers()?;
     let smem = shared_bytes(s, k);
     if smem > MAX_SHARED_BYTES {
         return Err(Error::param(
@@ -135,6 +156,8 @@ impl Gpu {
         seq_len: &[i32],
     ) -> Result<DraftTree> {
         check_tree_inputs(shape, k, top_ids.len(), top_logp.len(), root_token.len(), seq_len.len())?;
+        check_top_logp(top_logp, shape.depth * k)?;
+        check_seq_len(seq_len, shape.depth)?;
         let mut out = DeviceTree::alloc(self, shape)?;
         let (ids, logp) = (self.upload(top_ids)?, self.upload(top_logp)?);
         let (root, seq) = (self.upload(root_token)?, self.upload(seq_len)?);

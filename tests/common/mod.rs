@@ -50,7 +50,8 @@ pub fn assert_bits(case: &str, name: &str, got: &[f32], want: &[f32]) {
     assert_eq!(g.len(), w.len(), "{case}: `{name}` length");
 }
 
-/// The shared GPU, or `None` after printing `skipped: no CUDA device`.
+/// The shared GPU, or `None` after printing `skipped: no CUDA device` (a failure instead when
+/// `KDTREE_REQUIRE_GPU` is set, as scripts/gpu-run.sh does).
 #[cfg(feature = "cuda")]
 pub fn gpu() -> Option<&'static kdtree_engine::cuda::Gpu> {
     static GPU: std::sync::OnceLock<Option<kdtree_engine::cuda::Gpu>> = std::sync::OnceLock::new();
@@ -59,6 +60,7 @@ pub fn gpu() -> Option<&'static kdtree_engine::cuda::Gpu> {
             .then(|| kdtree_engine::cuda::Gpu::new(0).expect("a CUDA device is present, so it must open"))
     });
     if gpu.is_none() {
+        assert!(std::env::var_os("KDTREE_REQUIRE_GPU").is_none(), "KDTREE_REQUIRE_GPU is set but no CUDA device");
         println!("skipped: no CUDA device");
     }
     gpu.as_ref()
