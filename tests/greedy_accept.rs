@@ -117,10 +117,10 @@ fn bad_input_is_a_named_error() {
     assert!(matches!(accept_from_argmax(&tree, &[0; 3]), Err(Error::Shape { name: "target_argmax", .. })));
     let mut broken = tree.clone();
     broken.num_nodes[1] = -1;
-    assert!(matches!(accept_from_argmax(&broken, &vec![0; 2 * 9]), Err(Error::Param { name: "num_nodes", .. })));
+    assert!(matches!(accept_from_argmax(&broken, &[0; 2 * 9]), Err(Error::Param { name: "num_nodes", .. })));
     let mut broken = tree.clone();
     broken.next_sibling[3] = 9; // N is 9
-    assert!(matches!(accept_from_argmax(&broken, &vec![0; 2 * 9]), Err(Error::Index { name: "next_sibling", .. })));
+    assert!(matches!(accept_from_argmax(&broken, &[0; 2 * 9]), Err(Error::Index { name: "next_sibling", .. })));
 }
 
 #[cfg(feature = "cuda")]
