@@ -69,6 +69,14 @@ impl Fixture {
         })
     }
 
+    /// A number from `meta.json`.
+    pub fn f64(&self, key: &str) -> Result<f64> {
+        self.meta.get(key).and_then(|v| v.as_f64()).ok_or_else(|| Error::Data {
+            path: self.dir.join("meta.json"),
+            detail: format!("missing or non-numeric key `{key}`"),
+        })
+    }
+
     /// A string from `meta.json`.
     pub fn str(&self, key: &str) -> Result<String> {
         self.meta.get(key).and_then(|v| v.as_str()).map(str::to_owned).ok_or_else(|| Error::Data {

@@ -4,6 +4,7 @@
 
 pub mod greedy_accept;
 pub mod kv_compact;
+pub mod mla;
 pub mod topk;
 pub mod tree_build;
 
