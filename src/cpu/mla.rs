@@ -122,9 +122,8 @@ fn check_common(
             format!("request {b}: prefix + {extra} tree rows must fit its {capacity} paged slots"),
         ));
     }
-    for b in 0..bs {
-        let table = &cache.block_table[b * l.pages_per_req..(b + 1) * l.pages_per_req];
-        let used = (seq_len[b] as usize + extra).div_ceil(l.page_size);
+    for (b, (table, &seq)) in cache.block_table.chunks(l.pages_per_req).zip(seq_len).enumerate() {
+        let used = (seq as usize + extra).div_ceil(l.page_size);
         if let Some(&page) = table[..used].iter().find(|&&p| p < 0 || p as usize >= l.num_pages) {
             return Err(Error::Index {
                 name: "block_table",
