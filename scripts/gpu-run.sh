@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-out}
 logs=$out/logs
 mkdir -p "$logs"
+[ -f gpu-pack/bundle.tar.xz ] && tar -xJf gpu-pack/bundle.tar.xz -C gpu-pack
 export KDTREE_FIXTURES=$PWD/fixtures
 export CRITERION_HOME=$PWD/target/criterion
 export KDTREE_REQUIRE_GPU=1  # a GPU test that finds no device fails instead of skipping
