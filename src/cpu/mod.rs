@@ -5,6 +5,7 @@
 pub mod greedy_accept;
 pub mod kv_compact;
 pub mod mla;
+pub mod moe_int4;
 pub mod topk;
 pub mod tree_build;
 

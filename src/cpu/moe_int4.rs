@@ -1,0 +1,251 @@
+//! Mixture-of-experts with INT4 experts (DESIGN.md §4.4): routing, alignment by expert, the gate/up GEMM
+//! with SiLU, and the down GEMM with the routing-weighted combine. The weights are in the compressed-tensors
+//! `pack-quantized` layout of Kimi-K2 checkpoints; the exact definition is in `reference/README.md`.
+//!
+//! Each (token, slot) pair is computed on its own with a fixed reduction order and the combine sums the
+//! slots in order, so a token's output does not depend on the other tokens of the batch.
+
+use half::bf16;
+use rayon::prelude::*;
+
+use crate::error::{check_len, Error, Result};
+
+/// Input elements per quantization group (one bf16 scale each).
+pub const GROUP: usize = 32;
+/// INT4 values per packed i32.
+pub const PACK: usize = 8;
+
+/// A `[rows, cols]` INT4 matrix in the `pack-quantized` layout: `packed [rows, cols/8]` i32 (low nibble
+/// first, stored as q + 8) and `scale [rows, cols/32]` bf16.
+#[derive(Clone, Copy, Debug)]
+pub struct Int4Matrix<'a> {
+    /// Packed values.
+    pub packed: &'a [i32],
+    /// Group scales.
+    pub scale: &'a [bf16],
+    /// Rows (output features).
+    pub rows: usize,
+    /// Columns (input features), a multiple of 32.
+    pub cols: usize,
+}
+
+impl Int4Matrix<'_> {
+    /// Checks the column count and both arrays' lengths, naming the matrix.
+    pub fn check(&self, name: &'static str) -> Result<()> {
+        if self.cols == 0 || !self.cols.is_multiple_of(GROUP) {
+            return Err(Error::param(
+                name,
+                self.cols,
+                format!("input features must be a positive multiple of {GROUP}"),
+            ));
+        }
+        check_len(name, self.packed.len(), &[("rows", self.rows), ("cols/8", self.cols / PACK)])?;
+        check_len("scale", self.scale.len(), &[("rows", self.rows), ("cols/32", self.cols / GROUP)])
+    }
+
+    /// Row `r` dequantized: `(nibble - 8) * scale`.
+    pub fn dequant_row(&self, r: usize, out: &mut [f32]) {
+        let packed = &self.packed[r * self.cols / PACK..(r + 1) * self.cols / PACK];
+        let scales = &self.scale[r * self.cols / GROUP..(r + 1) * self.cols / GROUP];
+        for (c, v) in out.iter_mut().enumerate().take(self.cols) {
+            let nibble = (packed[c / PACK] as u32 >> (4 * (c % PACK))) & 0xF;
+            *v = (nibble as f32 - 8.0) * scales[c / GROUP].to_f32();
+        }
+    }
+}
+
+/// Owned INT4 weights produced by [`quantize`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Int4Owned {
+    /// `[rows, cols/8]` packed values.
+    pub packed: Vec<i32>,
+    /// `[rows, cols/32]` scales.
+    pub scale: Vec<bf16>,
+}
+
+/// Quantizes a `[rows, cols]` bf16 matrix to the `pack-quantized` layout: per group of 32, `scale =
+/// bf16(max|w| / 7)` (1 for an all-zero group), `q = clip(round_half_even(w / scale), -8, 7)`.
+pub fn quantize(w: &[bf16], rows: usize, cols: usize) -> Result<Int4Owned> {
+    if cols == 0 || !cols.is_multiple_of(GROUP) {
+        return Err(Error::param("cols", cols, format!("must be a positive multiple of {GROUP}")));
+    }
+    check_len("w", w.len(), &[("rows", rows), ("cols", cols)])?;
+    let mut out = Int4Owned { packed: vec![0; rows * cols / PACK], scale: vec![bf16::ZERO; rows * cols / GROUP] };
+    for (g, group) in w.chunks(GROUP).enumerate() {
+        let amax = group.iter().map(|v| v.to_f32().abs()).fold(0.0f32, f32::max);
+        let scale = if amax == 0.0 { bf16::ONE } else { bf16::from_f32(amax / 7.0) };
+        out.scale[g] = scale;
+        for (i, v) in group.iter().enumerate() {
+            let q = (v.to_f32() / scale.to_f32()).round_ties_even().clamp(-8.0, 7.0) as i32;
+            let c = g * GROUP + i;
+            out.packed[c / PACK] |= (((q + 8) as u32) << (4 * (c % PACK))) as i32;
+        }
+    }
+    Ok(out)
+}
+
+/// Routing of a batch: chosen experts best first, their weights, and the pairs grouped by expert.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routing {
+    /// Experts per token (k).
+    pub k: usize,
+    /// `[T, k]` chosen experts.
+    pub topk_ids: Vec<i32>,
+    /// `[T, k]` weights: the chosen sigmoid scores renormalized, times the routed scaling factor.
+    pub topk_weights: Vec<f32>,
+    /// `[E+1]` start of each expert's pairs in `sorted_pairs`.
+    pub expert_offsets: Vec<i32>,
+    /// `[T*k]` pairs `t * k + slot`, grouped by expert, each group in increasing pair order.
+    pub sorted_pairs: Vec<i32>,
+}
+
+/// DeepSeek-V3 / Kimi-K2 routing from `router_logits [T, E]` and the correction `bias [E]` (float64
+/// sigmoid; choice by score + bias, ties to the smaller expert id; weights from the unbiased scores).
+pub fn route(router_logits: &[f32], bias: &[f32], experts: usize, k: usize, scaling: f32) -> Result<Routing> {
+    if experts == 0 || k == 0 || k > experts {
+        return Err(Error::param("k", k, format!("top-k must be in 1..={experts} (the experts)")));
+    }
+    if !router_logits.len().is_multiple_of(experts) {
+        return Err(Error::shape("router_logits", format!("[T, E={experts}]"), experts, router_logits.len()));
+    }
+    check_len("bias", bias.len(), &[("E", experts)])?;
+    if let Some(i) = router_logits.iter().chain(bias).position(|v| !v.is_finite()) {
+        return Err(Error::Logits { name: "router_logits / bias", row: i / experts, problem: "non-finite value" });
+    }
+    let tokens = router_logits.len() / experts;
+    let mut topk_ids = vec![0i32; tokens * k];
+    let mut topk_weights = vec![0f32; tokens * k];
+    for t in 0..tokens {
+        let s: Vec<f64> =
+            router_logits[t * experts..(t + 1) * experts].iter().map(|&x| 1.0 / (1.0 + (-(x as f64)).exp())).collect();
+        let mut order: Vec<usize> = (0..experts).collect();
+        // Largest score + bias first; the stable sort keeps the smaller id first among ties.
+        order.sort_by(|&a, &b| (s[b] + bias[b] as f64).total_cmp(&(s[a] + bias[a] as f64)));
+        let chosen = &order[..k];
+        let sum: f64 = chosen.iter().map(|&e| s[e]).sum();
+        for (slot, &e) in chosen.iter().enumerate() {
+            topk_ids[t * k + slot] = e as i32;
+            topk_weights[t * k + slot] = (s[e] / sum * scaling as f64) as f32;
+        }
+    }
+    let (expert_offsets, sorted_pairs) = align(&topk_ids, experts);
+    Ok(Routing { k, topk_ids, topk_weights, expert_offsets, sorted_pairs })
+}
+
+/// Groups the pairs by expert (a counting sort, stable in pair order).
+fn align(topk_ids: &[i32], experts: usize) -> (Vec<i32>, Vec<i32>) {
+    let mut offsets = vec![0i32; experts + 1];
+    for &e in topk_ids {
+        offsets[e as usize + 1] += 1;
+    }
+    for e in 0..experts {
+        offsets[e + 1] += offsets[e];
+    }
+    let mut next = offsets.clone();
+    let mut pairs = vec![0i32; topk_ids.len()];
+    for (p, &e) in topk_ids.iter().enumerate() {
+        pairs[next[e as usize] as usize] = p as i32;
+        next[e as usize] += 1;
+    }
+    (offsets, pairs)
+}
+
+/// The experts of one layer: `w13 [E * 2I, H]` (gate rows then up rows per expert) and `w2 [E * H, I]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Experts<'a> {
+    /// Number of experts E.
+    pub count: usize,
+    /// Hidden size H.
+    pub hidden: usize,
+    /// Expert intermediate size I.
+    pub inter: usize,
+    /// Gate and up projections.
+    pub w13: Int4Matrix<'a>,
+    /// Down projection.
+    pub w2: Int4Matrix<'a>,
+}
+
+impl Experts<'_> {
+    fn check(&self) -> Result<()> {
+        for (name, v) in [("hidden", self.hidden), ("inter", self.inter)] {
+            if v == 0 || !v.is_multiple_of(GROUP) {
+                return Err(Error::param(name, v, format!("must be a positive multiple of {GROUP}")));
+            }
+        }
+        if self.w13.rows != self.count * 2 * self.inter || self.w13.cols != self.hidden {
+            return Err(Error::param("w13", format!("[{}, {}]", self.w13.rows, self.w13.cols), "must be [E * 2I, H]"));
+        }
+        if self.w2.rows != self.count * self.hidden || self.w2.cols != self.inter {
+            return Err(Error::param("w2", format!("[{}, {}]", self.w2.rows, self.w2.cols), "must be [E * H, I]"));
+        }
+        self.w13.check("w13_packed")?;
+        self.w2.check("w2_packed")
+    }
+}
+
+/// The routed-experts output `out [T, H]` (f32) of `x [T, H]` bf16 for a routing of the same tokens.
+pub fn moe_int4(x: &[bf16], routing: &Routing, experts: &Experts) -> Result<Vec<f32>> {
+    experts.check()?;
+    let (h, i, k) = (experts.hidden, experts.inter, routing.k);
+    if !x.len().is_multiple_of(h) {
+        return Err(Error::shape("x", format!("[T, H={h}]"), h, x.len()));
+    }
+    let tokens = x.len() / h;
+    check_len("topk_ids", routing.topk_ids.len(), &[("T", tokens), ("k", k)])?;
+    check_len("topk_weights", routing.topk_weights.len(), &[("T", tokens), ("k", k)])?;
+    if let Some(p) = routing.topk_ids.iter().position(|&e| e < 0 || e as usize >= experts.count) {
+        return Err(Error::Index {
+            name: "topk_ids",
+            detail: format!("pair {p} names expert {}, outside 0..{}", routing.topk_ids[p], experts.count),
+        });
+    }
+    // Every pair's expert output, computed expert by expert so each expert is dequantized once.
+    let mut y = vec![0f32; tokens * k * h];
+    let per_expert: Vec<Vec<(usize, Vec<f32>)>> = (0..experts.count)
+        .into_par_iter()
+        .map(|e| {
+            let pairs: Vec<usize> = (0..tokens * k).filter(|&p| routing.topk_ids[p] as usize == e).collect();
+            if pairs.is_empty() {
+                return vec![];
+            }
+            let w13 = dequant_rows(&experts.w13, e * 2 * i, 2 * i);
+            let w2 = dequant_rows(&experts.w2, e * h, h);
+            pairs.into_iter().map(|p| (p, expert_forward(&x[(p / k) * h..(p / k + 1) * h], &w13, &w2, h, i))).collect()
+        })
+        .collect();
+    for (p, out) in per_expert.into_iter().flatten() {
+        y[p * h..(p + 1) * h].copy_from_slice(&out);
+    }
+    let mut out = vec![0f32; tokens * h];
+    for t in 0..tokens {
+        for slot in 0..k {
+            let (p, w) = (t * k + slot, routing.topk_weights[t * k + slot]);
+            for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(&y[p * h..(p + 1) * h]) {
+                *o += w * v;
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn dequant_rows(m: &Int4Matrix, first: usize, count: usize) -> Vec<f32> {
+    let mut out = vec![0f32; count * m.cols];
+    for (r, row) in out.chunks_mut(m.cols).enumerate() {
+        m.dequant_row(first + r, row);
+    }
+    out
+}
+
+/// One token through one expert: `h = bf16(silu(x·gateᵀ) * (x·upᵀ))`, then `h · downᵀ`.
+fn expert_forward(x: &[bf16], w13: &[f32], w2: &[f32], hidden: usize, inter: usize) -> Vec<f32> {
+    let x: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f32>();
+    let act: Vec<f32> = (0..inter)
+        .map(|j| {
+            let g = dot(&x, &w13[j * hidden..(j + 1) * hidden]);
+            let u = dot(&x, &w13[(inter + j) * hidden..(inter + j + 1) * hidden]);
+            bf16::from_f32(g / (1.0 + (-g).exp()) * u).to_f32()
+        })
+        .collect();
+    (0..hidden).map(|r| dot(&act, &w2[r * inter..(r + 1) * inter])).collect()
+}
