@@ -7,7 +7,8 @@ from the Rust or CUDA code, so that the three implementations triangulate each o
     python3 reference/gen_fixtures.py      (from the repository root; numpy pinned in requirements.txt)
 
 deletes and rewrites fixtures/{topk,tree_build,greedy_accept,kv_compact}/<case>/ (one .npy per array plus a
-meta.json), then fixtures/{mla_decode,tree_verify}/<case>/ through mla_fixtures.py (DESIGN.md section 4.3).
+meta.json), then fixtures/{mla_decode,tree_verify}/<case>/ through mla_fixtures.py (DESIGN.md section 4.3) and
+fixtures/{moe_routing,moe_int4}/<case>/ through moe_fixtures.py (DESIGN.md section 4.4).
 Every case draws from its own np.random.default_rng(seed), so the same command gives the same bytes.
 Self-checks (assertions) run on every invocation.
 """
@@ -938,6 +939,8 @@ def main():
     kv_cases()
     import mla_fixtures   # here, not at the top: it imports this module (see the end of the file)
     mla_fixtures.mla_cases()
+    import moe_fixtures
+    moe_fixtures.moe_cases()
     print(f"self-checks passed ({BRUTE_FORCE_CHECKED[0]} trees also checked against brute force)")
 
 

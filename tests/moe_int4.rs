@@ -18,7 +18,7 @@ fn routing_matches_every_fixture() {
     for case in cases("moe_routing") {
         let name = case.name();
         let (e, k) = (case.usize("E").unwrap(), case.usize("k").unwrap());
-        let scaling = case.f64("routed_scaling_factor").unwrap() as f32;
+        let scaling = case.f64("routed_scaling_factor").unwrap();
         let logits: Vec<f32> = case.array("router_logits").unwrap();
         let got = route(&logits, &case.array::<f32>("bias").unwrap(), e, k, scaling).unwrap();
         assert_same(&name, "topk_ids", &got.topk_ids, &case.array::<i32>("topk_ids").unwrap());

@@ -100,8 +100,9 @@ pub struct Routing {
 }
 
 /// DeepSeek-V3 / Kimi-K2 routing from `router_logits [T, E]` and the correction `bias [E]` (float64
-/// sigmoid; choice by score + bias, ties to the smaller expert id; weights from the unbiased scores).
-pub fn route(router_logits: &[f32], bias: &[f32], experts: usize, k: usize, scaling: f32) -> Result<Routing> {
+/// sigmoid; choice by score + bias, ties to the smaller expert id; weights `s / Σs · scaling` from the
+/// unbiased scores, summed in slot order, with the config's float64 `routed_scaling_factor`).
+pub fn route(router_logits: &[f32], bias: &[f32], experts: usize, k: usize, scaling: f64) -> Result<Routing> {
     if experts == 0 || k == 0 || k > experts {
         return Err(Error::param("k", k, format!("top-k must be in 1..={experts} (the experts)")));
     }
@@ -125,7 +126,7 @@ pub fn route(router_logits: &[f32], bias: &[f32], experts: usize, k: usize, scal
         let sum: f64 = chosen.iter().map(|&e| s[e]).sum();
         for (slot, &e) in chosen.iter().enumerate() {
             topk_ids[t * k + slot] = e as i32;
-            topk_weights[t * k + slot] = (s[e] / sum * scaling as f64) as f32;
+            topk_weights[t * k + slot] = (s[e] / sum * scaling) as f32;
         }
     }
     let (expert_offsets, sorted_pairs) = align(&topk_ids, experts);
