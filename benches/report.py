@@ -87,6 +87,27 @@ def tree_table(res):
     return lines
 
 
+def compact_table(res):
+    """KV compaction: bytes read plus written (61 layers, 1152 B rows), against the copy ceiling."""
+    ceiling = copy_ceiling(res, "kv_compact")
+    lines = ["### kv_compact (61 layers, 576-element rows, page 64)", ""]
+    if ceiling:
+        lines += [f"Device-to-device copy in the same run: **{ceiling:.0f} GB/s** (read + write).", ""]
+    lines += ["| bs | accepted | CPU | GPU | speedup | GB/s | % copy |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    keys = sorted({p for (g, _, p) in res if g == "kv_compact"}, key=lambda p: (params(p)["a"], params(p)["bs"]))
+    for p in keys:
+        q = params(p)
+        cpu, gpu = res.get(("kv_compact", "cpu", p)), res.get(("kv_compact", "gpu", p))
+        cells = [str(q["bs"]), str(q["a"]), fmt_time(cpu) if cpu else "–", fmt_time(gpu) if gpu else "–", fmt_speedup(cpu, gpu)]
+        if gpu:
+            gbs = 2 * q["bs"] * q["a"] * 61 * 1152 / gpu
+            cells += [f"{gbs:.0f}", f"{100 * gbs / ceiling:.0f}%" if ceiling else "–"]
+        else:
+            cells += ["–", "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def render(res):
     lines = []
     if any(g == "topk" for (g, _, _) in res):
@@ -96,6 +117,8 @@ def render(res):
     if any(g == "greedy_accept" for (g, _, _) in res):
         lines += bandwidth_table(res, "greedy_accept", lambda q: q["bs"] * (q["b"] + 1),
                                  "greedy_accept: argmax + walk (N = B + 1 rows, all valid)") + [""]
+    if any(g == "kv_compact" for (g, _, _) in res):
+        lines += compact_table(res) + [""]
     return "\n".join(lines)
 
 

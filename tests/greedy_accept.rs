@@ -150,6 +150,25 @@ mod gpu {
         assert!(matches!(err, Error::Logits { name: "target_logits", row: 1, .. }), "{err}");
     }
 
+    #[test]
+    fn a_plan_runs_again_with_the_same_results() {
+        use kdtree_engine::cuda::greedy_accept::{AcceptPlan, DeviceAcceptance};
+        use kdtree_engine::cuda::tree_build::DeviceTree;
+        let Some(gpu) = gpu() else { return };
+        let v = 40_000;
+        let (tree, target) = random_case(9, 4, 7, v, 16);
+        let cpu = greedy_accept(&tree, Logits::F32(&target), v).unwrap();
+        let dev_tree = DeviceTree::upload(gpu, &tree).unwrap();
+        let mut plan = AcceptPlan::new(gpu, tree.shape, v).unwrap();
+        let mut out = DeviceAcceptance::alloc(gpu, tree.shape).unwrap();
+        let logits = gpu.upload(&target).unwrap();
+        for _ in 0..3 {
+            // The arrival counters must be back at zero after each launch.
+            plan.run(gpu, &dev_tree, &kdtree_engine::cuda::DeviceLogits::F32(logits.as_view()), &mut out).unwrap();
+            assert_eq!(out.to_host(gpu).unwrap(), cpu);
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(32))]
         #[test]

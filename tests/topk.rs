@@ -115,6 +115,23 @@ mod gpu {
         check_same(&cpu, &a);
     }
 
+    #[test]
+    fn a_plan_runs_again_on_fewer_rows() {
+        use kdtree_engine::cuda::topk::TopKPlan;
+        let Some(gpu) = gpu() else { return };
+        let (v, k) = (20_000, 64);
+        let x = tie_heavy_logits(3, 6 * v);
+        let mut plan = TopKPlan::new(gpu, 6, v, k).unwrap();
+        let mut out = plan.alloc_output(gpu).unwrap();
+        let dev = gpu.upload(&x).unwrap();
+        for rows in [6usize, 2, 6] {
+            let logits = kdtree_engine::cuda::DeviceLogits::F32(dev.slice(..rows * v));
+            plan.run(gpu, &logits, rows, &mut out).unwrap();
+            let got = out.to_host(gpu, 1, rows).unwrap();
+            check_same(&topk_logsumexp(Logits::F32(&x[..rows * v]), 1, rows, v, k).unwrap(), &got);
+        }
+    }
+
     fn check_same(cpu: &TopK, gpu: &TopK) {
         assert_same("random", "top_ids", &gpu.ids, &cpu.ids);
         assert_bits("random", "top_logp", &gpu.logp, &cpu.logp);

@@ -14,8 +14,10 @@ pub const MAX_K: usize = 512;
 
 /// Device outputs of top-K: `[rows, K]` ids and log-probs, `[rows]` lse and status words.
 pub struct DeviceTopK {
-    /// Rows (bs * L).
+    /// Rows the buffers hold (the plan's maximum).
     pub rows: usize,
+    /// Rows the last run wrote (bs * L of that run).
+    pub valid_rows: usize,
     /// Candidates per row.
     pub k: usize,
     /// Token ids, value descending then id ascending.
@@ -29,20 +31,15 @@ pub struct DeviceTopK {
 }
 
 impl DeviceTopK {
-    /// Copies the outputs to the host, returning an error if any row had invalid logits.
+    /// Copies the last run's outputs to the host (`bs * depth` must be its row count), returning an
+    /// error if any row had invalid logits.
     pub fn to_host(&self, gpu: &Gpu, bs: usize, depth: usize) -> Result<TopK> {
-        check_len("rows", self.rows, &[("bs", bs), ("L", depth)])?;
-        status_error("draft_logits", &gpu.download(&self.status)?[..self.rows])?;
+        check_len("rows", self.valid_rows, &[("bs", bs), ("L", depth)])?;
+        let rows = self.valid_rows;
+        status_error("draft_logits", &gpu.download(&self.status)?[..rows])?;
         let (ids, logp, lse) = (gpu.download(&self.ids)?, gpu.download(&self.logp)?, gpu.download(&self.lse)?);
-        let n = self.rows * self.k;
-        Ok(TopK {
-            bs,
-            depth,
-            k: self.k,
-            ids: ids[..n].to_vec(),
-            logp: logp[..n].to_vec(),
-            lse: lse[..self.rows].to_vec(),
-        })
+        let n = rows * self.k;
+        Ok(TopK { bs, depth, k: self.k, ids: ids[..n].to_vec(), logp: logp[..n].to_vec(), lse: lse[..rows].to_vec() })
     }
 }
 
@@ -91,6 +88,7 @@ impl TopKPlan {
     pub fn alloc_output(&self, gpu: &Gpu) -> Result<DeviceTopK> {
         Ok(DeviceTopK {
             rows: self.rows,
+            valid_rows: 0,
             k: self.k,
             ids: gpu.zeros(self.rows * self.k)?,
             logp: gpu.zeros(self.rows * self.k)?,
@@ -144,6 +142,7 @@ impl TopKPlan {
         b.arg(&chunks).arg(&k);
         b.arg(&mut out.ids).arg(&mut out.logp).arg(&mut out.lse).arg(&mut out.status);
         unsafe { b.launch(merge_cfg) }.map_err(|e| cuda_err("topk_merge", e))?;
+        out.valid_rows = rows;
         gpu.after_launch("topk_merge")
     }
 }
