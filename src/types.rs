@@ -175,6 +175,18 @@ pub fn check_target_logits(tree: &DraftTree, len: usize, vocab: usize) -> Result
     check_len("target_logits", len, &[("bs", s.bs), ("N", s.rows()), ("V", vocab)])
 }
 
+/// Checks the lengths of a tree batch's arrays against its shape (host and device trees alike): `[bs]`
+/// num_nodes, the `[bs, N]` arrays in [`DraftTree`]'s field order, `[bs, N, W]` visibility.
+pub fn check_tree_lengths(shape: TreeShape, num_nodes: usize, per_row: [usize; 6], visibility: usize) -> Result<()> {
+    let rows = [("bs", shape.bs), ("N", shape.rows())];
+    check_len("num_nodes", num_nodes, &rows[..1])?;
+    let names = ["node_token", "node_depth", "parent", "first_child", "next_sibling", "position"];
+    for (name, len) in names.into_iter().zip(per_row) {
+        check_len(name, len, &rows)?;
+    }
+    check_len("visibility", visibility, &[("bs", shape.bs), ("N", shape.rows()), ("W", shape.words())])
+}
+
 /// A batch of draft trees (DESIGN.md §4.1 step 3). Rows past `num_nodes[b]` are padding: -1, and 0 in
 /// `visibility`.
 #[derive(Clone, Debug, PartialEq)]
@@ -204,19 +216,19 @@ impl DraftTree {
     pub fn check(&self) -> Result<()> {
         let s = self.shape;
         s.validate()?;
-        let rows = [("bs", s.bs), ("N", s.rows())];
-        check_len("num_nodes", self.num_nodes.len(), &rows[..1])?;
-        for (name, v) in [
-            ("node_token", &self.node_token),
-            ("node_depth", &self.node_depth),
-            ("parent", &self.parent),
-            ("first_child", &self.first_child),
-            ("next_sibling", &self.next_sibling),
-            ("position", &self.position),
-        ] {
-            check_len(name, v.len(), &rows)?;
-        }
-        check_len("visibility", self.visibility.len(), &[("bs", s.bs), ("N", s.rows()), ("W", s.words())])?;
+        check_tree_lengths(
+            s,
+            self.num_nodes.len(),
+            [
+                self.node_token.len(),
+                self.node_depth.len(),
+                self.parent.len(),
+                self.first_child.len(),
+                self.next_sibling.len(),
+                self.position.len(),
+            ],
+            self.visibility.len(),
+        )?;
         if let Some(b) = self.num_nodes.iter().position(|&n| n < 0 || n as usize > s.budget) {
             return Err(Error::param(
                 "num_nodes",

@@ -4,7 +4,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{cuda_err, status_error, Gpu, MAX_SHARED_BYTES};
 use crate::error::{check_len, Error, Result};
-use crate::types::{check_seq_len, check_top_logp, check_tree_inputs, DraftTree, TreeShape};
+use crate::types::{check_seq_len, check_top_logp, check_tree_inputs, check_tree_lengths, DraftTree, TreeShape};
 
 /// Device buffers of a tree batch; the same arrays as [`DraftTree`] plus per-request status words.
 pub struct DeviceTree {
@@ -68,21 +68,20 @@ impl DeviceTree {
 
     /// Checks the buffer lengths against the shape (the fields are public).
     fn check_buffers(&self) -> Result<()> {
-        let s = self.shape;
-        let rows = [("bs", s.bs), ("N", s.rows())];
-        check_len("num_nodes", self.num_nodes.len(), &rows[..1])?;
-        check_len("status", self.status.len(), &rows[..1])?;
-        for (name, v) in [
-            ("node_token", &self.node_token),
-            ("node_depth", &self.node_depth),
-            ("parent", &self.parent),
-            ("first_child", &self.first_child),
-            ("next_sibling", &self.next_sibling),
-            ("position", &self.position),
-        ] {
-            check_len(name, v.len(), &rows)?;
-        }
-        check_len("visibility", self.visibility.len(), &[("bs", s.bs), ("N", s.rows()), ("W", s.words())])
+        check_len("status", self.status.len(), &[("bs", self.shape.bs)])?;
+        check_tree_lengths(
+            self.shape,
+            self.num_nodes.len(),
+            [
+                self.node_token.len(),
+                self.node_depth.len(),
+                self.parent.len(),
+                self.first_child.len(),
+                self.next_sibling.len(),
+                self.position.len(),
+            ],
+            self.visibility.len(),
+        )
     }
 
     /// Copies the tree to the host, returning an error if a request's log-probs held NaN.
