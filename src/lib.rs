@@ -44,6 +44,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod error;
 pub mod fixture;
+pub mod model;
 pub mod types;
 
 pub use error::{Error, Result};

@@ -1,0 +1,4 @@
+//! The DeepSeek-V3 / Kimi-K2 model (issue 5). So far: the configuration read from a Hugging Face
+//! `config.json`.
+
+pub mod config;
