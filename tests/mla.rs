@@ -50,14 +50,39 @@ fn check_close(name: &str, case: &Fixture, got: &MlaOutput) {
     }
 }
 
+/// A fixture's shared inputs: queries, the paged cache and its block tables, prefix lengths, the scale.
+struct MlaInputs {
+    q: Vec<bf16>,
+    rows: Vec<bf16>,
+    table: Vec<i32>,
+    layout: KvLayout,
+    seq_len: Vec<i32>,
+    scale: f32,
+}
+
+impl MlaInputs {
+    fn load(case: &Fixture) -> Self {
+        let bs = case.usize("bs").unwrap();
+        MlaInputs {
+            q: bf16_array(case, "q"),
+            rows: bf16_array(case, "cache"),
+            table: case.array("block_table").unwrap(),
+            layout: layout(case, bs),
+            seq_len: case.array("seq_len").unwrap(),
+            scale: case.f64("softmax_scale").unwrap() as f32,
+        }
+    }
+
+    fn cache(&self) -> PagedCache<'_> {
+        PagedCache { rows: &self.rows, layout: self.layout, block_table: &self.table }
+    }
+}
+
 #[test]
 fn cpu_decode_matches_every_fixture() {
     for case in cases("mla_decode") {
-        let bs = case.usize("bs").unwrap();
-        let (q, rows, table) = (bf16_array(&case, "q"), bf16_array(&case, "cache"), case.array("block_table").unwrap());
-        let cache = PagedCache { rows: &rows, layout: layout(&case, bs), block_table: &table };
-        let scale = case.f64("softmax_scale").unwrap() as f32;
-        let got = mla_decode(&q, case.usize("H").unwrap(), &cache, &case.array::<i32>("seq_len").unwrap(), scale);
+        let x = MlaInputs::load(&case);
+        let got = mla_decode(&x.q, case.usize("H").unwrap(), &x.cache(), &x.seq_len, x.scale);
         check_close(&case.name(), &case, &got.unwrap());
     }
 }
@@ -65,13 +90,10 @@ fn cpu_decode_matches_every_fixture() {
 #[test]
 fn cpu_tree_verify_matches_every_fixture() {
     for case in cases("tree_verify") {
-        let bs = case.usize("bs").unwrap();
-        let (q, rows, table) = (bf16_array(&case, "q"), bf16_array(&case, "cache"), case.array("block_table").unwrap());
-        let cache = PagedCache { rows: &rows, layout: layout(&case, bs), block_table: &table };
-        let scale = case.f64("softmax_scale").unwrap() as f32;
+        let x = MlaInputs::load(&case);
         let (n, h) = (case.usize("N").unwrap(), case.usize("H").unwrap());
         let vis = case.array::<u32>("visibility").unwrap();
-        let got = tree_verify(&q, n, h, &cache, &case.array::<i32>("seq_len").unwrap(), &vis, scale);
+        let got = tree_verify(&x.q, n, h, &x.cache(), &x.seq_len, &vis, x.scale);
         check_close(&case.name(), &case, &got.unwrap());
     }
 }
