@@ -2,7 +2,7 @@
 # Runs on the GPU machine from the repository root, after scripts/gpu-pack.sh built gpu-pack/ here:
 # every GPU test, compute-sanitizer memcheck and racecheck over the fixture tests, then the benches.
 # Logs and the criterion results go under $OUT (default ./gpu-out); a short table is printed last.
-# Usage: scripts/gpu-run.sh [tests|sanitize|sanitize:NAME|profile|bench|bench:NAME]...
+# Usage: scripts/gpu-run.sh [tests|sanitize|sanitize:NAME|profile|profile:moe|bench|bench:NAME]...
 #        (default: tests sanitize bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,12 +35,13 @@ run_sanitizer() {
         local name log
         name=$(basename "$t")
         log="$logs/$tool-$name.log"
-        compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" gpu_matches_every_fixture --test-threads 1 >"$log" 2>&1
+        compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" matches_every_fixture batch_invariant --test-threads 1 >"$log" 2>&1
         note "$tool $name: exit $? | $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$log" | tail -1)"
     done
 }
 
 # Nsight Compute on one launch of each bandwidth-bound kernel at the issue's headline shapes.
+# `profile:moe` profiles only the MoE GEMMs.
 run_profile() {
     local sections="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis --section LaunchStats"
     ncu --clock-control none --kernel-name regex:'topk_chunk_f32|topk_merge' --launch-count 2 $sections \
@@ -55,6 +56,14 @@ run_profile() {
         gpu-pack/benches/tree_build --bench 'tree_build/gpu/bs64_b64' --warm-up-time 0.05 --measurement-time 0.05 \
         >"$logs/ncu-tree_build.log" 2>&1
     note "ncu tree_build: exit $?"
+}
+
+run_profile_moe() {
+    local sections="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats"
+    ncu --clock-control none --kernel-name regex:'moe_(gate_up|down)' --launch-count 2 $sections \
+        gpu-pack/benches/moe_int4 --bench 'moe_int4/gpu_experts/t1$' --warm-up-time 0.05 --measurement-time 0.05 \
+        >"$logs/ncu-moe_int4.log" 2>&1
+    note "ncu moe_int4: exit $?"
 }
 
 run_bench() {
@@ -73,7 +82,8 @@ for step in $steps; do
         sanitize:*) run_sanitizer memcheck "${step#sanitize:}"; run_sanitizer racecheck "${step#sanitize:}" ;;
         bench) for b in gpu-pack/benches/*; do run_bench "$(basename "$b")"; done ;;
         bench:*) run_bench "${step#bench:}" ;;
-        profile) run_profile ;;
+        profile) run_profile; run_profile_moe ;;
+        profile:moe) run_profile_moe ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
 done

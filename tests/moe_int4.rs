@@ -5,7 +5,7 @@ mod common;
 
 use common::{assert_bits, assert_same, cases, xorshift};
 use half::bf16;
-use kdtree_engine::cpu::moe_int4::{moe_int4, quantize, route, Experts, Int4Matrix, Routing, GROUP};
+use kdtree_engine::cpu::moe_int4::{moe_int4, quantize, route, tile, untile, Experts, Int4Matrix, Routing, GROUP};
 use kdtree_engine::fixture::Fixture;
 use kdtree_engine::Error;
 
@@ -39,39 +39,79 @@ fn fixture_routing(case: &Fixture) -> Routing {
     }
 }
 
+/// The fixture's INT4 weights: (w13 packed, w13 scale, w2 packed, w2 scale).
+struct FixtureWeights(Vec<i32>, Vec<bf16>, Vec<i32>, Vec<bf16>);
+
+impl FixtureWeights {
+    fn load(case: &Fixture) -> Self {
+        FixtureWeights(
+            case.array("w13_packed").unwrap(),
+            bf16_array(case, "w13_scale"),
+            case.array("w2_packed").unwrap(),
+            bf16_array(case, "w2_scale"),
+        )
+    }
+
+    fn experts(&self, case: &Fixture) -> Experts<'_> {
+        let u = |k| case.usize(k).unwrap();
+        let (h, i, e) = (u("H"), u("I"), u("E"));
+        Experts {
+            count: e,
+            hidden: h,
+            inter: i,
+            w13: Int4Matrix { packed: &self.0, scale: &self.1, rows: e * 2 * i, cols: h },
+            w2: Int4Matrix { packed: &self.2, scale: &self.3, rows: e * h, cols: i },
+        }
+    }
+}
+
+/// Relative Frobenius error of `got` against `want`.
+fn rel_error(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let (mut err, mut norm) = (0.0f64, 0.0f64);
+    for (g, w) in got.iter().zip(want) {
+        err += (*g as f64 - *w as f64).powi(2);
+        norm += (*w as f64).powi(2);
+    }
+    (err / norm).sqrt()
+}
+
 #[test]
 fn expert_output_matches_every_fixture() {
     for case in cases("moe_int4") {
         let name = case.name();
-        let u = |k| case.usize(k).unwrap();
-        let (h, i, e) = (u("H"), u("I"), u("E"));
-        let (w13p, w13s) = (case.array::<i32>("w13_packed").unwrap(), bf16_array(&case, "w13_scale"));
-        let (w2p, w2s) = (case.array::<i32>("w2_packed").unwrap(), bf16_array(&case, "w2_scale"));
-        let experts = Experts {
-            count: e,
-            hidden: h,
-            inter: i,
-            w13: Int4Matrix { packed: &w13p, scale: &w13s, rows: e * 2 * i, cols: h },
-            w2: Int4Matrix { packed: &w2p, scale: &w2s, rows: e * h, cols: i },
-        };
+        let weights = FixtureWeights::load(&case);
+        let experts = weights.experts(&case);
         let got = moe_int4(&bf16_array(&case, "x"), &fixture_routing(&case), &experts).unwrap();
-        let want: Vec<f32> = case.array("out").unwrap();
-        let (mut err, mut norm) = (0.0f64, 0.0f64);
-        for (g, w) in got.iter().zip(&want) {
-            err += (*g as f64 - *w as f64).powi(2);
-            norm += (*w as f64).powi(2);
-        }
-        let rel = (err / norm).sqrt();
+        let rel = rel_error(&got, &case.array::<f32>("out").unwrap());
         let tol = case.f64("tol_out_rel").unwrap();
         assert!(rel <= tol, "{name}: out relative error {rel:e} > {tol:e}");
         if let Ok(w13) = case.array::<f32>("w13") {
+            let h = experts.hidden;
             let mut row = vec![0f32; h];
-            for r in 0..e * 2 * i {
+            for r in 0..experts.w13.rows {
                 experts.w13.dequant_row(r, &mut row);
                 assert_bits(&name, "w13 (dequantized)", &row, &w13[r * h..(r + 1) * h]);
             }
         }
     }
+}
+
+#[test]
+fn the_tiled_layout_round_trips() {
+    for case in cases("moe_int4") {
+        let weights = FixtureWeights::load(&case);
+        let experts = weights.experts(&case);
+        for m in [experts.w13, experts.w2] {
+            let tiled = tile(&m).unwrap();
+            assert_ne!(tiled.packed, m.packed, "{}: tiling must reorder", case.name());
+            let back = untile(&Int4Matrix { packed: &tiled.packed, scale: &tiled.scale, ..m }).unwrap();
+            assert_eq!((back.packed.as_slice(), back.scale.as_slice()), (m.packed, m.scale), "{}", case.name());
+        }
+    }
+    let (p, s) = (vec![0i32; 8 * 4], vec![bf16::ONE; 8]);
+    let odd = Int4Matrix { packed: &p, scale: &s, rows: 8, cols: 32 };
+    assert!(matches!(tile(&odd), Err(Error::Param { name: "rows", .. })));
 }
 
 fn random_bf16(next: &mut impl FnMut() -> u64, n: usize, scale: f32) -> Vec<bf16> {
@@ -161,4 +201,196 @@ fn bad_input_is_a_named_error() {
     assert!(matches!(moe_int4(&x, &r, &bad), Err(Error::Param { name: "hidden", .. })));
     let wrong = Routing { topk_ids: vec![0, 9, 1, 2], ..r.clone() };
     assert!(matches!(moe_int4(&x, &wrong, &l.experts()), Err(Error::Index { name: "topk_ids", .. })));
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::*;
+    use common::gpu;
+    use kdtree_engine::cuda::moe_int4::{DeviceExperts, DeviceInt4, Int4Layout, MoePlan, LAYOUT};
+    use proptest::prelude::*;
+
+    #[test]
+    fn gpu_routing_matches_every_fixture() {
+        let Some(gpu) = gpu() else { return };
+        for case in cases("moe_routing") {
+            let name = case.name();
+            let (e, k) = (case.usize("E").unwrap(), case.usize("k").unwrap());
+            let logits: Vec<f32> = case.array("router_logits").unwrap();
+            let scaling = case.f64("routed_scaling_factor").unwrap();
+            let got = gpu.moe_route(&logits, &case.array::<f32>("bias").unwrap(), e, k, scaling).unwrap();
+            assert_same(&name, "topk_ids", &got.topk_ids, &case.array::<i32>("topk_ids").unwrap());
+            assert_bits(&name, "topk_weights", &got.topk_weights, &case.array::<f32>("topk_weights").unwrap());
+            assert_same(&name, "expert_offsets", &got.expert_offsets, &case.array::<i32>("expert_offsets").unwrap());
+            assert_same(&name, "sorted_pairs", &got.sorted_pairs, &case.array::<i32>("sorted_pairs").unwrap());
+        }
+    }
+
+    #[test]
+    fn gpu_expert_output_matches_every_fixture() {
+        let Some(gpu) = gpu() else { return };
+        for case in cases("moe_int4") {
+            let weights = FixtureWeights::load(&case);
+            let got = gpu.moe_int4(&bf16_array(&case, "x"), &fixture_routing(&case), &weights.experts(&case)).unwrap();
+            let rel = rel_error(&got, &case.array::<f32>("out").unwrap());
+            let tol = case.f64("tol_out_rel").unwrap();
+            println!("{}: GPU out relative error {rel:.3e} (tolerance {tol:e})", case.name());
+            assert!(rel <= tol, "{}: GPU out relative error {rel:e} > {tol:e}", case.name());
+        }
+    }
+
+    #[test]
+    fn gpu_holds_weights_in_the_feature_layout() {
+        let Some(gpu) = gpu() else { return };
+        let case = &cases("moe_int4")[0];
+        let weights = FixtureWeights::load(case);
+        let m = weights.experts(case).w13;
+        let dev = DeviceInt4::from_native(gpu, gpu.upload(m.packed).unwrap(), gpu.upload(m.scale).unwrap(), m.rows, m.cols)
+            .unwrap();
+        let (packed, scale) = dev.download(gpu).unwrap();
+        let want = match LAYOUT {
+            Int4Layout::Native => (m.packed.to_vec(), m.scale.to_vec()),
+            Int4Layout::Tiled => {
+                let t = tile(&m).unwrap();
+                (t.packed, t.scale)
+            }
+        };
+        assert_eq!((packed, scale), want, "layout {LAYOUT:?}");
+    }
+
+    /// Random INT4 experts drawn directly as packed words and scales (fast at Kimi sizes).
+    fn random_layer(seed: u64, e: usize, h: usize, i: usize) -> (Vec<i32>, Vec<bf16>, Vec<i32>, Vec<bf16>) {
+        let mut next = xorshift(seed);
+        let mut words = |n: usize| (0..n).map(|_| (next() >> 32) as i32).collect::<Vec<i32>>();
+        let (w13p, w2p) = (words(e * 2 * i * h / 8), words(e * h * i / 8));
+        let mut next = xorshift(seed ^ 0xABCD);
+        let mut scales =
+            |n: usize| (0..n).map(|_| bf16::from_f32(0.002 + (next() >> 40) as f32 / (1u64 << 24) as f32 * 0.01)).collect();
+        let (w13s, w2s) = (scales(e * 2 * i * h / 32), scales(e * h * i / 32));
+        (w13p, w13s, w2p, w2s)
+    }
+
+    fn experts_of<'a>(w: &'a (Vec<i32>, Vec<bf16>, Vec<i32>, Vec<bf16>), e: usize, h: usize, i: usize) -> Experts<'a> {
+        Experts {
+            count: e,
+            hidden: h,
+            inter: i,
+            w13: Int4Matrix { packed: &w.0, scale: &w.1, rows: e * 2 * i, cols: h },
+            w2: Int4Matrix { packed: &w.2, scale: &w.3, rows: e * h, cols: i },
+        }
+    }
+
+    fn random_logits(next: &mut impl FnMut() -> u64, n: usize) -> Vec<f32> {
+        (0..n).map(|_| ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 6.0).collect()
+    }
+
+    /// GPU against the CPU reference: routing bit-exact, outputs within 5e-3 relative error.
+    fn check_against_cpu(seed: u64, t: usize, e: usize, k: usize, h: usize, i: usize) {
+        let gpu = gpu().expect("checked by the caller");
+        let w = random_layer(seed, e, h, i);
+        let experts = experts_of(&w, e, h, i);
+        let mut next = xorshift(seed ^ 0x5555);
+        let x = random_bf16(&mut next, t * h, 4.0);
+        let logits = random_logits(&mut next, t * e);
+        let bias: Vec<f32> = random_logits(&mut next, e).into_iter().map(|b| b * 0.01).collect();
+        let cpu_routing = route(&logits, &bias, e, k, 2.827).unwrap();
+        let gpu_routing = gpu.moe_route(&logits, &bias, e, k, 2.827).unwrap();
+        assert_eq!(gpu_routing, cpu_routing, "routing (T {t}, E {e}, k {k})");
+        let cpu = moe_int4(&x, &cpu_routing, &experts).unwrap();
+        let got = gpu.moe_int4(&x, &gpu_routing, &experts).unwrap();
+        let rel = rel_error(&got, &cpu);
+        assert!(rel <= 5e-3, "T {t} E {e} k {k} H {h} I {i}: GPU vs CPU relative error {rel:e}");
+    }
+
+    #[test]
+    fn gpu_matches_cpu_at_kimi_dims_with_16_experts() {
+        if gpu().is_none() {
+            return;
+        }
+        for (seed, t) in [(1u64, 1usize), (2, 8), (3, 33)] {
+            check_against_cpu(seed, t, 16, 8, 7168, 2048);
+        }
+    }
+
+    #[test]
+    fn gpu_is_deterministic_and_batch_invariant() {
+        let Some(gpu) = gpu() else { return };
+        let (t, e, k, h, i) = (128, 16, 4, 256, 128);
+        let w = random_layer(11, e, h, i);
+        let dev = DeviceExperts::upload(gpu, &experts_of(&w, e, h, i)).unwrap();
+        let mut next = xorshift(12);
+        let x = random_bf16(&mut next, t * h, 4.0);
+        let logits = random_logits(&mut next, t * e);
+        let bias = vec![0.0f32; e];
+        let routing = gpu.moe_route(&logits, &bias, e, k, 2.827).unwrap();
+        let batch = gpu.moe_int4_on(&x, &routing, &dev).unwrap();
+        assert_eq!(batch, gpu.moe_int4_on(&x, &routing, &dev).unwrap(), "two runs differ");
+        for tok in [0, 5, 77, 127] {
+            let alone_routing = gpu.moe_route(&logits[tok * e..(tok + 1) * e], &bias, e, k, 2.827).unwrap();
+            assert_eq!(alone_routing.topk_ids, routing.topk_ids[tok * k..(tok + 1) * k]);
+            let alone = gpu.moe_int4_on(&x[tok * h..(tok + 1) * h], &alone_routing, &dev).unwrap();
+            assert_bits("batch invariance", &format!("token {tok}"), &alone, &batch[tok * h..(tok + 1) * h]);
+        }
+    }
+
+    #[test]
+    fn a_plan_runs_again_on_fewer_tokens() {
+        let Some(gpu) = gpu() else { return };
+        let (e, k, h, i) = (8, 2, 64, 32);
+        let w = random_layer(21, e, h, i);
+        let experts = experts_of(&w, e, h, i);
+        let dev = DeviceExperts::upload(gpu, &experts).unwrap();
+        let mut next = xorshift(22);
+        let x = random_bf16(&mut next, 40 * h, 4.0);
+        let logits = random_logits(&mut next, 40 * e);
+        let bias = vec![0.0f32; e];
+        let mut plan = MoePlan::new(gpu, dev.shape, k, 40).unwrap();
+        let (x_dev, logits_dev, bias_dev) = (gpu.upload(&x).unwrap(), gpu.upload(&logits).unwrap(), gpu.upload(&bias).unwrap());
+        let mut out = gpu.zeros::<f32>(40 * h).unwrap();
+        for t in [40usize, 3, 40] {
+            plan.route(gpu, &logits_dev.slice(..t * e), &bias_dev.as_view(), 2.827, t).unwrap();
+            plan.experts_forward(gpu, &dev, &x_dev.slice(..t * h), &mut out.slice_mut(..t * h)).unwrap();
+            plan.check_status(gpu).unwrap();
+            let routing = route(&logits[..t * e], &bias, e, k, 2.827).unwrap();
+            assert_eq!(plan.routing(gpu).unwrap(), routing, "T {t}");
+            let want = moe_int4(&x[..t * h], &routing, &experts).unwrap();
+            let got = gpu.download(&out).unwrap();
+            assert!(rel_error(&got[..t * h], &want) <= 5e-3, "T {t}");
+        }
+    }
+
+    #[test]
+    fn gpu_bad_input_is_a_named_error() {
+        let Some(gpu) = gpu() else { return };
+        let l = layer(9, 4);
+        let x = vec![bf16::ONE; 2 * H];
+        let r = route(&[0.5; 8], &[0.0; 4], 4, 2, 1.0).unwrap();
+        let err = gpu.moe_route(&[0.5; 8], &[0.0; 4], 4, 5, 1.0).unwrap_err();
+        assert!(matches!(err, Error::Param { name: "k", .. }), "{err}");
+        let err = gpu.moe_route(&[0.5, f32::NAN, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], &[0.0; 4], 4, 2, 1.0).unwrap_err();
+        assert!(matches!(err, Error::Logits { .. }), "{err}");
+        let wrong = Routing { topk_ids: vec![0, 9, 1, 2], ..r.clone() };
+        let err = gpu.moe_int4(&x, &wrong, &l.experts()).unwrap_err();
+        assert!(matches!(err, Error::Index { name: "topk_ids", .. }), "{err}");
+        let mut bad = l.experts();
+        bad.w13.scale = &l.w13.scale[1..];
+        let err = gpu.moe_int4(&x, &r, &bad).unwrap_err();
+        assert!(matches!(err, Error::Shape { name: "scale", .. }), "{err}");
+        let err = gpu.moe_int4(&x[..H + 1], &r, &l.experts()).unwrap_err();
+        assert!(matches!(err, Error::Shape { name: "x", .. }), "{err}");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        #[test]
+        fn gpu_matches_cpu_on_random_shapes(
+            seed in any::<u64>(), t in 1usize..70, e in 1usize..40, k_frac in 0.0f64..1.0,
+            h in prop::sample::select(vec![32usize, 64, 96, 256, 1024]),
+            i in prop::sample::select(vec![32usize, 64, 160, 512]),
+        ) {
+            if gpu().is_none() { return Ok(()) }
+            let k = 1 + ((e.min(8) - 1) as f64 * k_frac) as usize;
+            check_against_cpu(seed, t, e, k, h, i);
+        }
+    }
 }

@@ -84,6 +84,71 @@ pub fn quantize(w: &[bf16], rows: usize, cols: usize) -> Result<Int4Owned> {
     Ok(out)
 }
 
+/// Rows per tile of the `int4-tiled` layout (one MMA m16 tile).
+pub const TILE_ROWS: usize = 16;
+
+/// Repacks a `pack-quantized` matrix into the `int4-tiled` order the CUDA kernels read with one
+/// coalesced load per warp (reference/README.md, "INT4 tiled layout"). For tile `t` (rows `16t ..
+/// 16t+15`), group `g` and lane `l` (`r = l / 4`, `c = l % 4`), `packed[((t * G + g) * 32 + l) * 2 + h]`
+/// is packed word `c` of group `g` of row `16t + r + 8h`; `scale[((t * G + g) * 8 + i) * 2 + h]` is the
+/// scale of row `16t + i + 8h`, group `g`. `G = cols / 32`; rows must be a multiple of 16.
+pub fn tile(m: &Int4Matrix) -> Result<Int4Owned> {
+    check_tileable(m.rows)?;
+    m.check("packed")?;
+    let groups = m.cols / GROUP;
+    let mut out = Int4Owned { packed: vec![0; m.packed.len()], scale: vec![bf16::ZERO; m.scale.len()] };
+    for_each_tiled_slot(m.rows, groups, |tiled, row, g, word| {
+        out.packed[tiled] = m.packed[row * groups * 4 + g * 4 + word];
+    });
+    for_each_tiled_scale(m.rows, groups, |tiled, row, g| out.scale[tiled] = m.scale[row * groups + g]);
+    Ok(out)
+}
+
+/// Inverse of [`tile`]: back to the checkpoint's `pack-quantized` order.
+pub fn untile(tiled: &Int4Matrix) -> Result<Int4Owned> {
+    check_tileable(tiled.rows)?;
+    tiled.check("packed")?;
+    let groups = tiled.cols / GROUP;
+    let mut out = Int4Owned { packed: vec![0; tiled.packed.len()], scale: vec![bf16::ZERO; tiled.scale.len()] };
+    for_each_tiled_slot(tiled.rows, groups, |t, row, g, word| out.packed[row * groups * 4 + g * 4 + word] = tiled.packed[t]);
+    for_each_tiled_scale(tiled.rows, groups, |t, row, g| out.scale[row * groups + g] = tiled.scale[t]);
+    Ok(out)
+}
+
+fn check_tileable(rows: usize) -> Result<()> {
+    if rows.is_multiple_of(TILE_ROWS) {
+        return Ok(());
+    }
+    Err(Error::param("rows", rows, format!("the tiled INT4 layout needs a multiple of {TILE_ROWS} rows")))
+}
+
+/// Calls `f(tiled index, row, group, word in group)` for every packed word of the tiled layout.
+fn for_each_tiled_slot(rows: usize, groups: usize, mut f: impl FnMut(usize, usize, usize, usize)) {
+    for t in 0..rows / TILE_ROWS {
+        for g in 0..groups {
+            for lane in 0..32 {
+                for half in 0..2 {
+                    let row = t * TILE_ROWS + lane / 4 + 8 * half;
+                    f(((t * groups + g) * 32 + lane) * 2 + half, row, g, lane % 4);
+                }
+            }
+        }
+    }
+}
+
+/// Calls `f(tiled index, row, group)` for every scale of the tiled layout.
+fn for_each_tiled_scale(rows: usize, groups: usize, mut f: impl FnMut(usize, usize, usize)) {
+    for t in 0..rows / TILE_ROWS {
+        for g in 0..groups {
+            for i in 0..8 {
+                for half in 0..2 {
+                    f(((t * groups + g) * 8 + i) * 2 + half, t * TILE_ROWS + i + 8 * half, g);
+                }
+            }
+        }
+    }
+}
+
 /// Routing of a batch: chosen experts best first, their weights, and the pairs grouped by expert.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Routing {
@@ -167,7 +232,8 @@ pub struct Experts<'a> {
 }
 
 impl Experts<'_> {
-    fn check(&self) -> Result<()> {
+    /// Checks the sizes (multiples of 32) and both matrices' shapes and lengths, naming the culprit.
+    pub fn check(&self) -> Result<()> {
         for (name, v) in [("hidden", self.hidden), ("inter", self.inter)] {
             if v == 0 || !v.is_multiple_of(GROUP) {
                 return Err(Error::param(name, v, format!("must be a positive multiple of {GROUP}")));

@@ -8,6 +8,7 @@
 
 pub mod greedy_accept;
 pub mod kv_compact;
+pub mod moe_int4;
 pub mod topk;
 pub mod tree_build;
 
@@ -94,6 +95,14 @@ struct Kernels {
     greedy_accept_bf16: CudaFunction,
     greedy_accept_argmax: CudaFunction,
     kv_compact: CudaFunction,
+    moe_route_align: CudaFunction,
+    /// The INT4 GEMMs of the compiled-in layout: [narrow, wide].
+    moe_gate_up: [(&'static str, CudaFunction); 2],
+    moe_down: [(&'static str, CudaFunction); 2],
+    moe_combine: CudaFunction,
+    int4_tile: CudaFunction,
+    int4_fill_random: CudaFunction,
+    int4_dequant_bf16: CudaFunction,
 }
 
 impl Kernels {
@@ -108,7 +117,38 @@ impl Kernels {
             greedy_accept_bf16: f("greedy_accept_bf16")?,
             greedy_accept_argmax: f("greedy_accept_argmax")?,
             kv_compact: f("kv_compact")?,
+            moe_route_align: f("moe_route_align")?,
+            moe_gate_up: Self::int4_pair(module, "moe_gate_up")?,
+            moe_down: Self::int4_pair(module, "moe_down")?,
+            moe_combine: f("moe_combine")?,
+            int4_tile: f("int4_tile")?,
+            int4_fill_random: f("int4_fill_random")?,
+            int4_dequant_bf16: f("int4_dequant_bf16")?,
         })
+    }
+
+    /// The narrow and wide variants of an INT4 GEMM for the layout the features choose.
+    fn int4_pair(module: &Arc<CudaModule>, family: &'static str) -> Result<[(&'static str, CudaFunction); 2]> {
+        let names: [&'static str; 2] = match (family, moe_int4::LAYOUT) {
+            ("moe_gate_up", moe_int4::Int4Layout::Native) => ["moe_gate_up_native", "moe_gate_up_wide_native"],
+            ("moe_gate_up", moe_int4::Int4Layout::Tiled) => ["moe_gate_up_tiled", "moe_gate_up_wide_tiled"],
+            (_, moe_int4::Int4Layout::Native) => ["moe_down_native", "moe_down_wide_native"],
+            (_, moe_int4::Int4Layout::Tiled) => ["moe_down_tiled", "moe_down_wide_tiled"],
+        };
+        let load = |name: &'static str| {
+            module.load_function(name).map(|f| (name, f)).map_err(|e| cuda_err("load_function", e))
+        };
+        Ok([load(names[0])?, load(names[1])?])
+    }
+
+    fn moe_gate_up(&self, wide: bool) -> (&'static str, &CudaFunction) {
+        let (name, f) = &self.moe_gate_up[wide as usize];
+        (name, f)
+    }
+
+    fn moe_down(&self, wide: bool) -> (&'static str, &CudaFunction) {
+        let (name, f) = &self.moe_down[wide as usize];
+        (name, f)
     }
 }
 

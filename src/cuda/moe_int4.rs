@@ -1,0 +1,494 @@
+//! Launcher of kernels/moe_int4.cu: routing and alignment, the two grouped INT4 GEMMs and the combine
+//! (see [`crate::cpu::moe_int4`]).
+//!
+//! Weights live on the device as [`DeviceExperts`] in the layout the cargo features choose
+//! ([`LAYOUT`]): `int4-native` keeps the checkpoint's `pack-quantized` order, `int4-tiled` repacks it on
+//! the device at load time ([`crate::cpu::moe_int4::tile`] documents the order). A [`MoePlan`] owns the
+//! routing and intermediate buffers for up to `max_tokens` tokens; its `route` / `set_routing` and
+//! `experts_forward` only launch kernels.
+
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::{cuda_err, to_i32, Gpu};
+use crate::cpu::moe_int4::{Experts, Routing, GROUP, PACK, TILE_ROWS};
+use crate::error::{check_len, Error, Result};
+
+/// The most experts the routing kernel handles (one CTA; Kimi-K2 has 384, DeepSeek-V3 256).
+pub const MAX_EXPERTS: usize = 1024;
+/// The largest top-k the routing kernel handles (one warp per token).
+pub const MAX_TOP_K: usize = 32;
+
+const GEMM_THREADS: u32 = 256;
+const ROUTE_THREADS: u32 = 512;
+/// Tokens per expert served by the narrow GEMM kernels (one n8 MMA tile); more go to the wide ones.
+const NARROW_TOKENS: usize = 8;
+const STATUS_BAD_LOGIT: i32 = 1;
+const STATUS_BAD_EXPERT: i32 = 2;
+
+/// Device order of INT4 weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Int4Layout {
+    /// The checkpoint's compressed-tensors `pack-quantized` order.
+    Native,
+    /// The MMA tile order of [`crate::cpu::moe_int4::tile`].
+    Tiled,
+}
+
+/// The layout chosen by the cargo features (`int4-tiled` wins when both are enabled).
+pub const LAYOUT: Int4Layout = if cfg!(feature = "int4-tiled") { Int4Layout::Tiled } else { Int4Layout::Native };
+
+/// Sizes of one layer's routed experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertsShape {
+    /// Number of experts E.
+    pub count: usize,
+    /// Hidden size H (a multiple of 32).
+    pub hidden: usize,
+    /// Expert intermediate size I (a multiple of 32).
+    pub inter: usize,
+}
+
+impl ExpertsShape {
+    fn check(&self) -> Result<()> {
+        if self.count == 0 || self.count > MAX_EXPERTS {
+            return Err(Error::param("experts", self.count, format!("must be in 1..={MAX_EXPERTS}")));
+        }
+        for (name, v) in [("hidden", self.hidden), ("inter", self.inter)] {
+            if v == 0 || !v.is_multiple_of(GROUP) {
+                return Err(Error::param(name, v, format!("must be a positive multiple of {GROUP}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of one expert's weights (packed values and scales of gate, up and down).
+    pub fn bytes_per_expert(&self) -> usize {
+        let elems = 3 * self.hidden * self.inter;
+        elems / 2 + elems / GROUP * 2
+    }
+}
+
+/// One INT4 matrix `[rows, cols]` on the device, in [`LAYOUT`].
+pub struct DeviceInt4 {
+    packed: CudaSlice<i32>,
+    scale: CudaSlice<bf16>,
+    rows: usize,
+    cols: usize,
+}
+
+impl DeviceInt4 {
+    /// Takes a matrix in the checkpoint order already on the device and brings it into [`LAYOUT`].
+    pub fn from_native(
+        gpu: &Gpu,
+        packed: CudaSlice<i32>,
+        scale: CudaSlice<bf16>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self> {
+        if cols == 0 || !cols.is_multiple_of(GROUP) || !rows.is_multiple_of(TILE_ROWS) {
+            return Err(Error::param(
+                "INT4 matrix",
+                format!("[{rows}, {cols}]"),
+                format!("needs rows a multiple of {TILE_ROWS} and cols a positive multiple of {GROUP}"),
+            ));
+        }
+        check_len("packed", packed.len(), &[("rows", rows), ("cols/8", cols / PACK)])?;
+        check_len("scale", scale.len(), &[("rows", rows), ("cols/32", cols / GROUP)])?;
+        let native = DeviceInt4 { packed, scale, rows, cols };
+        match LAYOUT {
+            Int4Layout::Native => Ok(native),
+            Int4Layout::Tiled => native.tiled(gpu),
+        }
+    }
+
+    fn tiled(&self, gpu: &Gpu) -> Result<Self> {
+        let mut out = DeviceInt4 {
+            packed: gpu.zeros(self.packed.len())?,
+            scale: gpu.zeros(self.scale.len())?,
+            rows: self.rows,
+            cols: self.cols,
+        };
+        let (rows, cols) = (to_i32("rows", self.rows)?, to_i32("cols", self.cols)?);
+        let mut b = gpu.stream().launch_builder(&gpu.kernels.int4_tile);
+        b.arg(&self.packed).arg(&self.scale).arg(&rows).arg(&cols).arg(&mut out.packed).arg(&mut out.scale);
+        unsafe { b.launch(grid_stride_config(self.packed.len() / 2)) }.map_err(|e| cuda_err("int4_tile", e))?;
+        gpu.after_launch("int4_tile")?;
+        Ok(out)
+    }
+
+    /// The packed words and scales as stored on the device (in [`LAYOUT`]).
+    pub fn download(&self, gpu: &Gpu) -> Result<(Vec<i32>, Vec<bf16>)> {
+        Ok((gpu.download(&self.packed)?, gpu.download(&self.scale)?))
+    }
+}
+
+/// Random INT4 weights in the checkpoint order, generated on the device (for benchmarks): uniform
+/// nibbles, scales uniform in `[scale_lo, scale_hi)`.
+pub fn random_native(
+    gpu: &Gpu,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+    (scale_lo, scale_hi): (f32, f32),
+) -> Result<(CudaSlice<i32>, CudaSlice<bf16>)> {
+    let words = rows.checked_mul(cols / PACK).ok_or_else(|| Error::param("rows", rows, "size overflows"))?;
+    let groups = rows * (cols / GROUP);
+    let mut packed = gpu.zeros::<i32>(words)?;
+    let mut scale = gpu.zeros::<bf16>(groups)?;
+    let (words64, groups64) = (words as u64, groups as u64);
+    let mut b = gpu.stream().launch_builder(&gpu.kernels.int4_fill_random);
+    b.arg(&mut packed).arg(&words64).arg(&mut scale).arg(&groups64).arg(&seed).arg(&scale_lo).arg(&scale_hi);
+    unsafe { b.launch(grid_stride_config(words.max(groups))) }.map_err(|e| cuda_err("int4_fill_random", e))?;
+    gpu.after_launch("int4_fill_random")?;
+    Ok((packed, scale))
+}
+
+/// Dequantizes checkpoint-order INT4 weights to bf16 (each value rounded once), e.g. for a cuBLAS
+/// baseline.
+pub fn dequantize_native(gpu: &Gpu, packed: &CudaSlice<i32>, scale: &CudaSlice<bf16>) -> Result<CudaSlice<bf16>> {
+    check_len("scale", scale.len() * 4, &[("packed words", packed.len())])?;
+    let mut out = gpu.zeros::<bf16>(packed.len() * PACK)?;
+    let words = packed.len() as u64;
+    let mut b = gpu.stream().launch_builder(&gpu.kernels.int4_dequant_bf16);
+    b.arg(packed).arg(scale).arg(&words).arg(&mut out);
+    unsafe { b.launch(grid_stride_config(packed.len())) }.map_err(|e| cuda_err("int4_dequant_bf16", e))?;
+    gpu.after_launch("int4_dequant_bf16")?;
+    Ok(out)
+}
+
+fn grid_stride_config(items: usize) -> LaunchConfig {
+    let blocks = items.div_ceil(256).clamp(1, 65536) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// One layer's routed experts on the device: `w13 [E * 2I, H]` (gate rows then up rows per expert) and
+/// `w2 [E * H, I]`.
+pub struct DeviceExperts {
+    /// The sizes.
+    pub shape: ExpertsShape,
+    w13: DeviceInt4,
+    w2: DeviceInt4,
+}
+
+impl DeviceExperts {
+    /// Uploads host experts (checkpoint order) and brings them into [`LAYOUT`].
+    pub fn upload(gpu: &Gpu, experts: &Experts) -> Result<Self> {
+        experts.check()?;
+        let shape = ExpertsShape { count: experts.count, hidden: experts.hidden, inter: experts.inter };
+        let w13 = DeviceInt4::from_native(
+            gpu,
+            gpu.upload(experts.w13.packed)?,
+            gpu.upload(experts.w13.scale)?,
+            experts.w13.rows,
+            experts.w13.cols,
+        )?;
+        let w2 = DeviceInt4::from_native(
+            gpu,
+            gpu.upload(experts.w2.packed)?,
+            gpu.upload(experts.w2.scale)?,
+            experts.w2.rows,
+            experts.w2.cols,
+        )?;
+        Self::new(shape, w13, w2)
+    }
+
+    /// Assembles experts from device matrices, checking their shapes against `shape`.
+    pub fn new(shape: ExpertsShape, w13: DeviceInt4, w2: DeviceInt4) -> Result<Self> {
+        shape.check()?;
+        if (w13.rows, w13.cols) != (shape.count * 2 * shape.inter, shape.hidden) {
+            return Err(Error::param("w13", format!("[{}, {}]", w13.rows, w13.cols), "must be [E * 2I, H]"));
+        }
+        if (w2.rows, w2.cols) != (shape.count * shape.hidden, shape.inter) {
+            return Err(Error::param("w2", format!("[{}, {}]", w2.rows, w2.cols), "must be [E * H, I]"));
+        }
+        Ok(DeviceExperts { shape, w13, w2 })
+    }
+}
+
+/// Routing, alignment and intermediate buffers for up to `max_tokens` tokens and top-`k` routing.
+pub struct MoePlan {
+    shape: ExpertsShape,
+    k: usize,
+    max_tokens: usize,
+    /// Tokens of the routing currently held (0 before the first `route` / `set_routing`).
+    tokens: usize,
+    /// An upper bound on any expert's pair count for the current routing (picks the GEMM kernels).
+    max_per_expert: usize,
+    topk_ids: CudaSlice<i32>,
+    topk_weights: CudaSlice<f32>,
+    expert_offsets: CudaSlice<i32>,
+    sorted_pairs: CudaSlice<i32>,
+    active_experts: CudaSlice<i32>,
+    num_active: CudaSlice<i32>,
+    status: CudaSlice<i32>,
+    h: CudaSlice<bf16>,
+    y: CudaSlice<f32>,
+}
+
+impl MoePlan {
+    /// Allocates every buffer once for `max_tokens` tokens of top-`k` routing over `shape`'s experts.
+    pub fn new(gpu: &Gpu, shape: ExpertsShape, k: usize, max_tokens: usize) -> Result<Self> {
+        shape.check()?;
+        if k == 0 || k > shape.count.min(MAX_TOP_K) {
+            return Err(Error::param("k", k, format!("top-k must be in 1..={}", shape.count.min(MAX_TOP_K))));
+        }
+        if max_tokens == 0 {
+            return Err(Error::param("max_tokens", 0, "must be at least 1"));
+        }
+        let pairs = max_tokens * k;
+        to_i32("max_tokens * k * max(H, I)", pairs * shape.hidden.max(shape.inter))?;
+        Ok(MoePlan {
+            shape,
+            k,
+            max_tokens,
+            tokens: 0,
+            max_per_expert: 0,
+            topk_ids: gpu.zeros(pairs)?,
+            topk_weights: gpu.zeros(pairs)?,
+            expert_offsets: gpu.zeros(shape.count + 1)?,
+            sorted_pairs: gpu.zeros(pairs)?,
+            active_experts: gpu.zeros(shape.count)?,
+            num_active: gpu.zeros(1)?,
+            status: gpu.zeros(1)?,
+            h: gpu.zeros(pairs * shape.inter)?,
+            y: gpu.zeros(pairs * shape.hidden)?,
+        })
+    }
+
+    fn check_tokens(&self, tokens: usize) -> Result<()> {
+        if tokens == 0 || tokens > self.max_tokens {
+            return Err(Error::param("tokens", tokens, format!("must be in 1..={} (the plan's)", self.max_tokens)));
+        }
+        Ok(())
+    }
+
+    /// Queues the routing of `router_logits [tokens, E]` with the correction `bias [E]` and the
+    /// alignment by expert. Non-finite logits set the status that [`MoePlan::check_status`] reports.
+    pub fn route(
+        &mut self,
+        gpu: &Gpu,
+        router_logits: &CudaView<f32>,
+        bias: &CudaView<f32>,
+        scaling: f64,
+        tokens: usize,
+    ) -> Result<()> {
+        self.check_tokens(tokens)?;
+        check_len("router_logits", router_logits.len(), &[("T", tokens), ("E", self.shape.count)])?;
+        check_len("bias", bias.len(), &[("E", self.shape.count)])?;
+        if !scaling.is_finite() {
+            return Err(Error::param("routed_scaling_factor", scaling, "must be finite"));
+        }
+        self.launch_route_align(gpu, Some((router_logits, bias)), scaling, tokens)?;
+        // Routing picks k distinct experts per token, so no expert gets more than one pair per token.
+        self.max_per_expert = tokens;
+        Ok(())
+    }
+
+    /// Takes a routing computed elsewhere (`topk_ids`, `topk_weights`, both `[tokens, k]`) and queues its
+    /// alignment. Expert ids out of range set the status that [`MoePlan::check_status`] reports.
+    pub fn set_routing(
+        &mut self,
+        gpu: &Gpu,
+        topk_ids: &CudaView<i32>,
+        topk_weights: &CudaView<f32>,
+        tokens: usize,
+    ) -> Result<()> {
+        self.check_tokens(tokens)?;
+        check_len("topk_ids", topk_ids.len(), &[("T", tokens), ("k", self.k)])?;
+        check_len("topk_weights", topk_weights.len(), &[("T", tokens), ("k", self.k)])?;
+        let pairs = tokens * self.k;
+        let stream = gpu.stream();
+        stream.memcpy_dtod(topk_ids, &mut self.topk_ids.slice_mut(..pairs)).map_err(|e| cuda_err("copy topk_ids", e))?;
+        stream
+            .memcpy_dtod(topk_weights, &mut self.topk_weights.slice_mut(..pairs))
+            .map_err(|e| cuda_err("copy topk_weights", e))?;
+        self.launch_route_align(gpu, None, 0.0, tokens)?;
+        self.max_per_expert = pairs;
+        Ok(())
+    }
+
+    fn launch_route_align(
+        &mut self,
+        gpu: &Gpu,
+        logits: Option<(&CudaView<f32>, &CudaView<f32>)>,
+        scaling: f64,
+        tokens: usize,
+    ) -> Result<()> {
+        let stream = gpu.stream();
+        stream.memset_zeros(&mut self.status).map_err(|e| cuda_err("memset status", e))?;
+        let (t, e, k) = (tokens as i32, self.shape.count as i32, self.k as i32);
+        let null = 0u64;
+        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (ROUTE_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut b = stream.launch_builder(&gpu.kernels.moe_route_align);
+        match logits {
+            Some((l, bias)) => b.arg(l).arg(bias),
+            None => b.arg(&null).arg(&null),
+        };
+        b.arg(&scaling).arg(&t).arg(&e).arg(&k);
+        b.arg(&mut self.topk_ids).arg(&mut self.topk_weights).arg(&mut self.expert_offsets);
+        b.arg(&mut self.sorted_pairs).arg(&mut self.active_experts).arg(&mut self.num_active).arg(&mut self.status);
+        unsafe { b.launch(cfg) }.map_err(|e| cuda_err("moe_route_align", e))?;
+        self.tokens = tokens;
+        gpu.after_launch("moe_route_align")
+    }
+
+    /// Queues the routed-experts output `out [tokens, H]` (f32) of `x [tokens, H]` (bf16) for the routing
+    /// held by the plan: gate/up GEMM with SiLU, down GEMM, and the weighted combine in slot order.
+    pub fn experts_forward(
+        &mut self,
+        gpu: &Gpu,
+        experts: &DeviceExperts,
+        x: &CudaView<bf16>,
+        out: &mut CudaViewMut<f32>,
+    ) -> Result<()> {
+        if experts.shape != self.shape {
+            return Err(Error::param("experts", format!("{:?}", experts.shape), "differ from the plan's shape"));
+        }
+        if self.tokens == 0 {
+            return Err(Error::param("tokens", 0, "route or set a routing before experts_forward"));
+        }
+        let (tokens, h_dim) = (self.tokens, self.shape.hidden);
+        check_len("x", x.len(), &[("T", tokens), ("H", h_dim)])?;
+        check_len("out", out.len(), &[("T", tokens), ("H", h_dim)])?;
+        let blocks = self.shape.count.min(tokens * self.k) as u32;
+        let widths: &[bool] = if self.max_per_expert > NARROW_TOKENS { &[false, true] } else { &[false] };
+        for &wide in widths {
+            self.launch_gate_up(gpu, experts, x, blocks, wide)?;
+        }
+        for &wide in widths {
+            self.launch_down(gpu, experts, blocks, wide)?;
+        }
+        let (h, k) = (h_dim as i32, self.k as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (h_dim.div_ceil(256) as u32, tokens as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream().launch_builder(&gpu.kernels.moe_combine);
+        b.arg(&self.y).arg(&self.topk_weights).arg(&h).arg(&k).arg(out);
+        unsafe { b.launch(cfg) }.map_err(|e| cuda_err("moe_combine", e))?;
+        gpu.after_launch("moe_combine")
+    }
+
+    fn launch_gate_up(
+        &mut self,
+        gpu: &Gpu,
+        experts: &DeviceExperts,
+        x: &CudaView<bf16>,
+        blocks: u32,
+        wide: bool,
+    ) -> Result<()> {
+        let (name, f) = gpu.kernels.moe_gate_up(wide);
+        let (h, i, k) = (self.shape.hidden as i32, self.shape.inter as i32, self.k as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, (self.shape.inter / 16) as u32, 1),
+            block_dim: (GEMM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(x).arg(&experts.w13.packed).arg(&experts.w13.scale).arg(&h).arg(&i).arg(&k);
+        b.arg(&self.active_experts).arg(&self.num_active).arg(&self.expert_offsets).arg(&self.sorted_pairs);
+        b.arg(&mut self.h);
+        unsafe { b.launch(cfg) }.map_err(|e| cuda_err(name, e))?;
+        gpu.after_launch(name)
+    }
+
+    fn launch_down(&mut self, gpu: &Gpu, experts: &DeviceExperts, blocks: u32, wide: bool) -> Result<()> {
+        let (name, f) = gpu.kernels.moe_down(wide);
+        let (h, i) = (self.shape.hidden as i32, self.shape.inter as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, (self.shape.hidden / 32) as u32, 1),
+            block_dim: (GEMM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(&self.h).arg(&experts.w2.packed).arg(&experts.w2.scale).arg(&h).arg(&i);
+        b.arg(&self.active_experts).arg(&self.num_active).arg(&self.expert_offsets).arg(&self.sorted_pairs);
+        b.arg(&mut self.y);
+        unsafe { b.launch(cfg) }.map_err(|e| cuda_err(name, e))?;
+        gpu.after_launch(name)
+    }
+
+    /// Reads the status of the last routing: an error naming non-finite router logits or expert ids out
+    /// of range (synchronizes).
+    pub fn check_status(&self, gpu: &Gpu) -> Result<()> {
+        let status = gpu.download(&self.status)?[0];
+        if status & STATUS_BAD_LOGIT != 0 {
+            return Err(Error::Logits { name: "router_logits / bias", row: 0, problem: "non-finite value" });
+        }
+        if status & STATUS_BAD_EXPERT != 0 {
+            return Err(Error::Index {
+                name: "topk_ids",
+                detail: format!("an expert id is outside 0..{}", self.shape.count),
+            });
+        }
+        Ok(())
+    }
+
+    /// The routing held by the plan, read back (synchronizes).
+    pub fn routing(&self, gpu: &Gpu) -> Result<Routing> {
+        let pairs = self.tokens * self.k;
+        let take = |v: Vec<i32>, n: usize| v.into_iter().take(n).collect::<Vec<_>>();
+        Ok(Routing {
+            k: self.k,
+            topk_ids: take(gpu.download(&self.topk_ids)?, pairs),
+            topk_weights: gpu.download(&self.topk_weights)?.into_iter().take(pairs).collect(),
+            expert_offsets: gpu.download(&self.expert_offsets)?,
+            sorted_pairs: take(gpu.download(&self.sorted_pairs)?, pairs),
+        })
+    }
+
+    /// The experts that received at least one pair in the current routing, in increasing id (synchronizes).
+    pub fn active_experts(&self, gpu: &Gpu) -> Result<Vec<i32>> {
+        let n = gpu.download(&self.num_active)?[0] as usize;
+        Ok(gpu.download(&self.active_experts)?.into_iter().take(n).collect())
+    }
+}
+
+impl Gpu {
+    /// Routing of host `router_logits [T, E]` on the device (see [`crate::cpu::moe_int4::route`]).
+    pub fn moe_route(
+        &self,
+        router_logits: &[f32],
+        bias: &[f32],
+        experts: usize,
+        k: usize,
+        scaling: f64,
+    ) -> Result<Routing> {
+        if experts == 0 || !router_logits.len().is_multiple_of(experts) || router_logits.is_empty() {
+            return Err(Error::shape("router_logits", format!("[T, E={experts}]"), experts, router_logits.len()));
+        }
+        let tokens = router_logits.len() / experts;
+        let shape = ExpertsShape { count: experts, hidden: GROUP, inter: GROUP };
+        let mut plan = MoePlan::new(self, shape, k, tokens)?;
+        let (logits, bias) = (self.upload(router_logits)?, self.upload(bias)?);
+        plan.route(self, &logits.as_view(), &bias.as_view(), scaling, tokens)?;
+        plan.check_status(self)?;
+        plan.routing(self)
+    }
+
+    /// The routed-experts output of host `x [T, H]` for a host routing, through the device (see
+    /// [`crate::cpu::moe_int4::moe_int4`]).
+    pub fn moe_int4(&self, x: &[bf16], routing: &Routing, experts: &Experts) -> Result<Vec<f32>> {
+        let dev = DeviceExperts::upload(self, experts)?;
+        self.moe_int4_on(x, routing, &dev)
+    }
+
+    /// Like [`Gpu::moe_int4`] with experts already on the device.
+    pub fn moe_int4_on(&self, x: &[bf16], routing: &Routing, experts: &DeviceExperts) -> Result<Vec<f32>> {
+        let h = experts.shape.hidden;
+        if x.is_empty() || !x.len().is_multiple_of(h) {
+            return Err(Error::shape("x", format!("[T, H={h}]"), h, x.len()));
+        }
+        let tokens = x.len() / h;
+        let mut plan = MoePlan::new(self, experts.shape, routing.k, tokens)?;
+        let (ids, weights) = (self.upload(&routing.topk_ids)?, self.upload(&routing.topk_weights)?);
+        plan.set_routing(self, &ids.as_view(), &weights.as_view(), tokens)?;
+        let x_dev = self.upload(x)?;
+        let mut out = self.zeros::<f32>(tokens * h)?;
+        plan.experts_forward(self, experts, &x_dev.as_view(), &mut out.as_view_mut())?;
+        plan.check_status(self)?;
+        self.download(&out)
+    }
+}
