@@ -23,7 +23,8 @@ cargo test --release --features "$features" --no-run --message-format=json | cop
 cargo bench --features "$features" --no-run --message-format=json | copy_executables gpu-pack/benches bench
 # The MoE tests once more under the other INT4 layout: both layouts must pass the same fixtures.
 mkdir -p gpu-pack/tiled
-cargo test --release --features "$features,int4-tiled" --no-run --test moe_int4 --message-format=json |
+cargo test --release --no-default-features --features "$features,int4-tiled" --no-run --test moe_int4 \
+    --message-format=json |
     copy_executables gpu-pack/tiled test
 mv gpu-pack/tiled/moe_int4 gpu-pack/tests/moe_int4_tiled && rmdir gpu-pack/tiled
 cargo build --release --features "$features" --example build_tree

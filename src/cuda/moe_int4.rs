@@ -35,7 +35,7 @@ pub enum Int4Layout {
     Tiled,
 }
 
-/// The layout chosen by the cargo features (`int4-tiled` wins when both are enabled).
+/// The layout chosen by the cargo features (exactly one of `int4-native` / `int4-tiled`).
 pub const LAYOUT: Int4Layout = if cfg!(feature = "int4-tiled") { Int4Layout::Tiled } else { Int4Layout::Native };
 
 /// Sizes of one layer's routed experts.
