@@ -63,6 +63,8 @@ struct Smem {
     long long key_off[SPLIT];                 // element offset of each key row of the chunk in the cache
 };
 
+static_assert(sizeof(Smem) == 82496, "mirrored by CHUNK_SHARED_BYTES in src/cuda/mla.rs");
+
 // What one CTA computes: query rows [row0, row1) over chunk `chunk` of a sequence of `len` rows whose
 // first `prefix` are slots 0..prefix and whose rest are the tree rows set in `vis` (nullptr: none).
 struct Task {

@@ -8,6 +8,7 @@
 
 pub mod greedy_accept;
 pub mod kv_compact;
+pub mod mla;
 pub mod topk;
 pub mod tree_build;
 
@@ -94,6 +95,8 @@ struct Kernels {
     greedy_accept_bf16: CudaFunction,
     greedy_accept_argmax: CudaFunction,
     kv_compact: CudaFunction,
+    mla_chunk: CudaFunction,
+    mla_combine: CudaFunction,
 }
 
 impl Kernels {
@@ -108,6 +111,8 @@ impl Kernels {
             greedy_accept_bf16: f("greedy_accept_bf16")?,
             greedy_accept_argmax: f("greedy_accept_argmax")?,
             kv_compact: f("kv_compact")?,
+            mla_chunk: f("mla_chunk")?,
+            mla_combine: f("mla_combine")?,
         })
     }
 }
@@ -139,6 +144,13 @@ impl Gpu {
                 MAX_SHARED_BYTES as i32,
             )
             .map_err(|e| cuda_err("tree_build shared memory attribute", e))?;
+        kernels
+            .mla_chunk
+            .set_attribute(
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                mla::CHUNK_SHARED_BYTES as i32,
+            )
+            .map_err(|e| cuda_err("mla_chunk shared memory attribute", e))?;
         // A stream of our own (not the legacy default stream), so that launches can be captured in graphs.
         let stream = ctx.new_stream().map_err(|e| cuda_err("new_stream", e))?;
         Ok(Gpu { ctx, stream, kernels })
