@@ -19,9 +19,6 @@ use kdtree_engine::KvLayout;
 
 const PAGE: usize = 64;
 const SCALE: f32 = 0.130_860_8;
-/// Tree rows of the tree-verify rows (budget 64).
-const TREE_ROWS: usize = 65;
-const TREE_PREFIX: usize = 4096;
 
 /// A heap-shaped tree: row i's parent is (i - 1) / 2, so the deepest rows see 7 tree rows.
 fn heap_visibility(bs: usize, n: usize) -> Vec<u32> {
@@ -90,6 +87,9 @@ mod gpu_rows {
     use kdtree_engine::cuda::mla::{DeviceCache, DeviceMlaOutput, MlaPlan};
     use kdtree_engine::cuda::Gpu;
 
+    /// Tree rows of the tree-verify rows (budget 64).
+    const TREE_ROWS: usize = 65;
+    const TREE_PREFIX: usize = 4096;
     /// Cache bytes above which a decode shape is skipped.
     const MAX_CACHE_BYTES: usize = 20 << 30;
 
