@@ -108,6 +108,54 @@ def compact_table(res):
     return lines
 
 
+MLA_ROW_BYTES = 1152  # one cache row: 576 bf16
+
+
+def mla_cost(q, n=1, tree=False):
+    """(bytes, flops) of one MLA launch: every cache row read once per request, q read, o and lse written;
+    2 * (576 + 512) FLOPs per (query row, head, visible row)."""
+    bs, h, s = q["bs"], q["h"], q["s"]
+    rows = bs * n * h
+    visible = s + (4 if tree else 0)  # heap tree of 65 rows: about 4 tree rows visible per row
+    bytes_ = bs * (s + (n if tree else 0)) * MLA_ROW_BYTES + rows * (576 * 2 + 512 * 4 + 4)
+    return bytes_, 2 * rows * visible * (576 + 512)
+
+
+def mla_tables(res):
+    """mla_decode and tree_verify against the roofline max(bytes / copy, flops / mma) of the same run."""
+    ceiling = copy_ceiling(res, "mla")
+    gemm = res.get(("mla_ceiling", "cublas_bf16", "m8192"))
+    mma = 2 * 8192 ** 3 / gemm / 1e3 if gemm else None  # TFLOP/s
+    lines = ["### mla_decode (latent 512 + rope 64, page 64)", ""]
+    if ceiling:
+        lines.append(f"Device-to-device copy in the same run: **{ceiling:.0f} GB/s** (read + write).")
+    if mma:
+        lines.append(f"cuBLAS bf16 GEMM 8192³ (f32 accumulate) in the same run: **{mma:.0f} TFLOP/s**.")
+    lines += ["", "| H | bs | prefix | GPU | GB/s | TFLOP/s | % roofline | CPU |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    keys = sorted({p for (g, f, p) in res if g == "mla" and f == "gpu_decode"},
+                  key=lambda p: (params(p)["h"], params(p)["bs"], params(p)["s"]))
+    for p in keys:
+        q = params(p)
+        t = res[("mla", "gpu_decode", p)]
+        bytes_, flops = mla_cost(q)
+        bound = max(bytes_ / ceiling if ceiling else 0, flops / (mma * 1e3) if mma else 0)
+        cpu = res.get(("mla", "cpu_decode", p))
+        lines.append(f"| {q['h']} | {q['bs']} | {q['s']} | {fmt_time(t)} | {bytes_ / t:.0f} | {flops / t / 1e3:.1f} | "
+                     f"{100 * bound / t:.0f}% | {fmt_time(cpu) if cpu else '–'} |")
+    lines += ["", "### tree_verify (N 65, heap tree) vs 65 separate decodes", "",
+              "| H | bs | prefix | tree_verify | GB/s | % roofline | 65 decodes | speedup |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in sorted({p for (g, f, p) in res if g == "mla" and f == "gpu_tree"}, key=lambda p: params(p)["bs"]):
+        q = params(p)
+        t, rows = res[("mla", "gpu_tree", p)], res.get(("mla", "gpu_decode65", p))
+        bytes_, flops = mla_cost(q, q["n"], tree=True)
+        bound = max(bytes_ / ceiling if ceiling else 0, flops / (mma * 1e3) if mma else 0)
+        lines.append(f"| {q['h']} | {q['bs']} | {q['s']} | {fmt_time(t)} | {bytes_ / t:.0f} | {100 * bound / t:.0f}% | "
+                     f"{fmt_time(rows) if rows else '–'} | {fmt_speedup(rows, t)} |")
+    return lines
+
+
 def render(res):
     lines = []
     if any(g == "topk" for (g, _, _) in res):
@@ -119,6 +167,8 @@ def render(res):
                                  "greedy_accept: argmax + walk (N = B + 1 rows, all valid)") + [""]
     if any(g == "kv_compact" for (g, _, _) in res):
         lines += compact_table(res) + [""]
+    if any(g == "mla" for (g, _, _) in res):
+        lines += mla_tables(res) + [""]
     return "\n".join(lines)
 
 

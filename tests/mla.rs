@@ -219,3 +219,324 @@ fn bad_input_is_a_named_error() {
         Err(Error::Param { name: "seq_len", .. })
     ));
 }
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::*;
+    use common::{assert_bits, gpu};
+    use kdtree_engine::cpu::tree_build::build_trees;
+    use kdtree_engine::TreeShape;
+    use proptest::prelude::*;
+
+    /// GPU against CPU: both are f32 accumulations of the same bf16 inputs, so they agree far inside the
+    /// fixtures' tolerance against float64.
+    const TOL_O: f64 = 5e-4;
+    const TOL_LSE: f64 = 2e-5;
+
+    /// Relative Frobenius error of `o` (naming the element of largest error) and max abs error of `lse`
+    /// (naming the first bad index; -inf must match exactly).
+    fn assert_close(name: &str, got: &MlaOutput, want_o: &[f32], want_lse: &[f32], tol_o: f64, tol_lse: f64) {
+        assert_eq!(got.o.len(), want_o.len(), "{name}: o length");
+        assert_eq!(got.lse.len(), want_lse.len(), "{name}: lse length");
+        let (mut err, mut norm, mut worst) = (0.0f64, 0.0f64, (0usize, 0.0f64));
+        for (i, (g, w)) in got.o.iter().zip(want_o).enumerate() {
+            let d = (*g as f64 - *w as f64).abs();
+            if d > worst.1 || d.is_nan() {
+                worst = (i, d);
+            }
+            err += d * d;
+            norm += (*w as f64).powi(2);
+        }
+        let rel = (err / norm.max(f64::MIN_POSITIVE)).sqrt();
+        let (i, _) = worst;
+        assert!(
+            rel <= tol_o,
+            "{name}: o relative error {rel:e} > {tol_o:e}; worst o[{i}] (row {}, dim {}): got {}, want {}",
+            i / LATENT,
+            i % LATENT,
+            got.o[i],
+            want_o[i]
+        );
+        for (i, (g, w)) in got.lse.iter().zip(want_lse).enumerate() {
+            let ok = if w.is_infinite() { g == w } else { (*g as f64 - *w as f64).abs() <= tol_lse };
+            assert!(ok, "{name}: lse[{i}] got {g}, want {w} (tolerance {tol_lse:e})");
+        }
+    }
+
+    fn assert_same_output(name: &str, got: &MlaOutput, want: &MlaOutput) {
+        assert_bits(name, "o", &got.o, &want.o);
+        assert_bits(name, "lse", &got.lse, &want.lse);
+    }
+
+    /// A paged cache of `bs` requests with `capacity` slots each, page size `page_size`, pages in
+    /// shuffled order.
+    fn paged(seed: u64, bs: usize, capacity: usize, page_size: usize) -> Setup {
+        let pages_per_req = capacity.div_ceil(page_size);
+        let num_pages = bs * pages_per_req + 1;
+        let mut next = xorshift(seed);
+        let rows = random_bf16(&mut next, num_pages * page_size * ROW);
+        let mut table: Vec<i32> = (0..(bs * pages_per_req) as i32).collect();
+        for i in (1..table.len()).rev() {
+            table.swap(i, (next() % (i as u64 + 1)) as usize);
+        }
+        Setup { rows, table, layout: KvLayout { layers: 1, num_pages, page_size, row_elems: ROW, pages_per_req } }
+    }
+
+    fn cache_of(s: &Setup) -> PagedCache<'_> {
+        PagedCache { rows: &s.rows, layout: s.layout, block_table: &s.table }
+    }
+
+    /// Real tree_build trees of `budget` nodes over L 15 from peaked draft log-probs: a deep main chain
+    /// with branches.
+    fn trees(seed: u64, bs: usize, budget: usize, seq_len: &[i32]) -> Vec<u32> {
+        let (depth, k) = (15, budget.min(32));
+        let mut next = xorshift(seed);
+        let mut logp = vec![0.0f32; bs * depth * k];
+        for row in logp.chunks_mut(k) {
+            let spread = 0.3 + (next() % 1000) as f32 * 0.003;
+            let mut v = -((next() % 100) as f32) * 0.001;
+            for x in row.iter_mut() {
+                *x = v;
+                v -= spread * (0.5 + (next() % 1000) as f32 * 0.001);
+            }
+        }
+        let ids: Vec<i32> = (0..bs * depth * k).map(|i| (i % k) as i32).collect();
+        let shape = TreeShape::new(bs, depth, budget).unwrap();
+        build_trees(shape, k, &ids, &logp, &vec![1; bs], seq_len).unwrap().visibility
+    }
+
+    fn scale() -> f32 {
+        kimi_scale()
+    }
+
+    #[test]
+    fn gpu_matches_every_fixture() {
+        let Some(gpu) = gpu() else { return };
+        for case in cases("mla_decode") {
+            let x = MlaInputs::load(&case);
+            let got = gpu.mla_decode(&x.q, case.usize("H").unwrap(), &x.cache(), &x.seq_len, x.scale).unwrap();
+            check_close(&format!("gpu {}", case.name()), &case, &got);
+        }
+        for case in cases("tree_verify") {
+            let x = MlaInputs::load(&case);
+            let (n, h) = (case.usize("N").unwrap(), case.usize("H").unwrap());
+            let vis = case.array::<u32>("visibility").unwrap();
+            let got = gpu.tree_verify(&x.q, n, h, &x.cache(), &x.seq_len, &vis, x.scale).unwrap();
+            check_close(&format!("gpu {}", case.name()), &case, &got);
+        }
+    }
+
+    /// GPU vs CPU for one batch: decode when `budget` is 0, else tree verify over real trees.
+    fn gpu_vs_cpu(name: &str, seed: u64, heads: usize, page_size: usize, seq: &[i32], budget: usize) {
+        let Some(gpu) = gpu() else { return };
+        let (bs, n) = (seq.len(), if budget == 0 { 1 } else { budget + 1 });
+        let extra = if budget == 0 { 0 } else { n };
+        let capacity = *seq.iter().max().unwrap() as usize + extra;
+        let s = paged(seed, bs, capacity.max(1), page_size);
+        let mut next = xorshift(seed ^ 0x5eed);
+        let q = random_bf16(&mut next, bs * n * heads * ROW);
+        let (want, got) = if budget == 0 {
+            (
+                mla_decode(&q, heads, &cache_of(&s), seq, scale()).unwrap(),
+                gpu.mla_decode(&q, heads, &cache_of(&s), seq, scale()).unwrap(),
+            )
+        } else {
+            let vis = trees(seed, bs, budget, seq);
+            (
+                tree_verify(&q, n, heads, &cache_of(&s), seq, &vis, scale()).unwrap(),
+                gpu.tree_verify(&q, n, heads, &cache_of(&s), seq, &vis, scale()).unwrap(),
+            )
+        };
+        let name = format!("{name}: H {heads} page {page_size} seq {seq:?} B {budget}");
+        assert_close(&name, &got, &want.o, &want.lse, TOL_O, TOL_LSE);
+    }
+
+    const PREFIXES: [i32; 11] = [0, 1, 63, 64, 65, 255, 256, 257, 511, 1500, 2900];
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(16))]
+        #[test]
+        fn gpu_matches_cpu_on_random_shapes(
+            seed in any::<u64>(),
+            heads in prop::sample::select(vec![8usize, 16, 32]),
+            page_size in prop::sample::select(vec![1usize, 16, 64]),
+            prefix_picks in prop::collection::vec(0usize..PREFIXES.len(), 1..4),
+            budget in prop::sample::select(vec![0usize, 16, 64]),
+        ) {
+            // A decode needs at least one row; a tree request may have an empty prefix.
+            let seq: Vec<i32> = prefix_picks.iter().map(|&i| PREFIXES[i].max((budget == 0) as i32)).collect();
+            // Trees keep to 16 heads so that the CPU reference stays fast.
+            let heads = if budget == 0 { heads } else { heads.min(16) };
+            gpu_vs_cpu("random", seed, heads, page_size, &seq, budget);
+        }
+    }
+
+    #[test]
+    fn gpu_matches_cpu_on_long_prefixes_and_many_heads() {
+        gpu_vs_cpu("decode 64 heads", 1, 64, 64, &[4096, 1000], 0);
+        gpu_vs_cpu("decode 128 heads", 2, 128, 16, &[1000, 4096, 1], 0);
+        gpu_vs_cpu("tree 64 heads", 3, 64, 64, &[1000], 64);
+        gpu_vs_cpu("tree 128 heads", 4, 128, 16, &[300, 0], 16);
+        gpu_vs_cpu("tree long prefix", 5, 8, 64, &[4096, 4000], 64);
+        gpu_vs_cpu("decode bs 32", 6, 16, 16, &(0..32).map(|b| 1 + b * 97).collect::<Vec<i32>>(), 0);
+        gpu_vs_cpu("tree bs 32", 7, 8, 16, &(0..32).map(|b| b * 41).collect::<Vec<i32>>(), 16);
+    }
+
+    /// A tree batch: bs requests with prefixes `seq`, budget B, on a page-16 cache; q and visibility.
+    struct TreeBatch {
+        s: Setup,
+        seq: Vec<i32>,
+        q: Vec<bf16>,
+        vis: Vec<u32>,
+        n: usize,
+        heads: usize,
+    }
+
+    fn tree_batch(seed: u64, heads: usize, seq: Vec<i32>, budget: usize) -> TreeBatch {
+        let n = budget + 1;
+        let s = paged(seed, seq.len(), *seq.iter().max().unwrap() as usize + n, 16);
+        let mut next = xorshift(seed ^ 0x9);
+        let q = random_bf16(&mut next, seq.len() * n * heads * ROW);
+        let vis = trees(seed, seq.len(), budget, &seq);
+        TreeBatch { s, seq, q, vis, n, heads }
+    }
+
+    impl TreeBatch {
+        fn run(&self, gpu: &kdtree_engine::cuda::Gpu) -> MlaOutput {
+            gpu.tree_verify(&self.q, self.n, self.heads, &cache_of(&self.s), &self.seq, &self.vis, scale()).unwrap()
+        }
+
+        /// Request b alone: its block-table row, prefix, queries and bitmask.
+        fn alone(&self, gpu: &kdtree_engine::cuda::Gpu, b: usize) -> MlaOutput {
+            let (ppr, w, per_req) = (self.s.layout.pages_per_req, self.n.div_ceil(32), self.n * self.heads * ROW);
+            let cache = PagedCache { block_table: &self.s.table[b * ppr..(b + 1) * ppr], ..cache_of(&self.s) };
+            let vis = &self.vis[b * self.n * w..(b + 1) * self.n * w];
+            let q = &self.q[b * per_req..(b + 1) * per_req];
+            gpu.tree_verify(q, self.n, self.heads, &cache, &self.seq[b..=b], vis, scale()).unwrap()
+        }
+    }
+
+    #[test]
+    fn gpu_is_deterministic() {
+        let Some(gpu) = gpu() else { return };
+        let t = tree_batch(51, 16, vec![700, 256, 3], 64);
+        assert_same_output("tree run twice", &t.run(gpu), &t.run(gpu));
+        let cache = cache_of(&t.s);
+        let q = &t.q[..3 * 16 * ROW];
+        let a = gpu.mla_decode(q, 16, &cache, &[700, 255, 1], scale()).unwrap();
+        assert_same_output("decode run twice", &gpu.mla_decode(q, 16, &cache, &[700, 255, 1], scale()).unwrap(), &a);
+    }
+
+    #[test]
+    fn gpu_requests_give_the_same_bits_alone_and_in_a_batch_of_32() {
+        let Some(gpu) = gpu() else { return };
+        for heads in [8, 64] {
+            let seq: Vec<i32> = (0..32).map(|b| 1 + (b * 131) % 1200).collect();
+            let t = tree_batch(61 + heads as u64, heads, seq, 16);
+            let batch = t.run(gpu);
+            let rows = t.n * heads;
+            for b in [0usize, 5, 31] {
+                let name = format!("tree H {heads} request {b}");
+                let alone = t.alone(gpu, b);
+                assert_bits(&name, "o", &alone.o, &batch.o[b * rows * LATENT..(b + 1) * rows * LATENT]);
+                assert_bits(&name, "lse", &alone.lse, &batch.lse[b * rows..(b + 1) * rows]);
+            }
+            // Decode: the first tree row's queries of every request, over its prefix.
+            let q: Vec<bf16> = (0..32).flat_map(|b| t.q[b * rows * ROW..(b * rows + heads) * ROW].to_vec()).collect();
+            let batch = gpu.mla_decode(&q, heads, &cache_of(&t.s), &t.seq, scale()).unwrap();
+            let ppr = t.s.layout.pages_per_req;
+            for b in [0usize, 5, 31] {
+                let cache = PagedCache { block_table: &t.s.table[b * ppr..(b + 1) * ppr], ..cache_of(&t.s) };
+                let q_b = &q[b * heads * ROW..(b + 1) * heads * ROW];
+                let alone = gpu.mla_decode(q_b, heads, &cache, &t.seq[b..=b], scale()).unwrap();
+                let name = format!("decode H {heads} request {b}");
+                assert_bits(&name, "o", &alone.o, &batch.o[b * heads * LATENT..(b + 1) * heads * LATENT]);
+                assert_bits(&name, "lse", &alone.lse, &batch.lse[b * heads..(b + 1) * heads]);
+            }
+        }
+    }
+
+    #[test]
+    fn gpu_root_only_tree_equals_a_decode() {
+        let Some(gpu) = gpu() else { return };
+        for (heads, prefix) in [(8, 0usize), (16, 255), (64, 512), (128, 70)] {
+            let s = paged(71, 1, prefix + 1, 16);
+            let mut next = xorshift(72);
+            let q = random_bf16(&mut next, heads * ROW);
+            let tree = gpu.tree_verify(&q, 1, heads, &cache_of(&s), &[prefix as i32], &[1], scale()).unwrap();
+            let decode = gpu.mla_decode(&q, heads, &cache_of(&s), &[prefix as i32 + 1], scale()).unwrap();
+            assert_same_output(&format!("root only, H {heads}, prefix {prefix}"), &tree, &decode);
+        }
+    }
+
+    #[test]
+    fn gpu_tree_rows_equal_decodes_over_their_compacted_sequences() {
+        let Some(gpu) = gpu() else { return };
+        // Prefix 250: the tails of deep rows span two chunks; 512: the tail starts a chunk; 1000: mid chunk.
+        for (heads, prefix, budget) in [(8, 250usize, 64usize), (16, 512, 16), (64, 1000, 64)] {
+            let t = tree_batch(81 + prefix as u64, heads, vec![prefix as i32], budget);
+            let tree = t.run(gpu);
+            let w = t.n.div_ceil(32);
+            let depth = |row: usize| (0..t.n).filter(|&j| t.vis[row * w + j / 32] >> (j % 32) & 1 == 1).count();
+            let deepest = (0..t.n).max_by_key(|&r| depth(r)).unwrap();
+            for row in [0, 1, 2, deepest, t.n - 1] {
+                let visible: Vec<usize> = (0..t.n).filter(|&j| t.vis[row * w + j / 32] >> (j % 32) & 1 == 1).collect();
+                let mut rows = t.s.rows.clone();
+                for (k, &j) in visible.iter().enumerate() {
+                    let (src, dst) = (slot(&t.s, prefix + j), slot(&t.s, prefix + k));
+                    rows[dst..dst + ROW].copy_from_slice(&t.s.rows[src..src + ROW]);
+                }
+                let cache = PagedCache { rows: &rows, ..cache_of(&t.s) };
+                let q = &t.q[row * heads * ROW..(row + 1) * heads * ROW];
+                let seq = (prefix + visible.len()) as i32;
+                let decode = gpu.mla_decode(q, heads, &cache, &[seq], scale()).unwrap();
+                let name = format!("H {heads} prefix {prefix} row {row} ({} visible)", visible.len());
+                assert_bits(&name, "o", &decode.o, &tree.o[row * heads * LATENT..(row + 1) * heads * LATENT]);
+                assert_bits(&name, "lse", &decode.lse, &tree.lse[row * heads..(row + 1) * heads]);
+            }
+        }
+    }
+
+    #[test]
+    fn gpu_bad_input_is_a_named_error() {
+        use kdtree_engine::cuda::mla::{DeviceCache, DeviceMlaOutput, MlaPlan};
+        let Some(gpu) = gpu() else { return };
+        let s = setup(41, 1, 64);
+        let cache = PagedCache { rows: &s.rows, layout: s.layout, block_table: &s.table };
+        let q = vec![bf16::ONE; 8 * ROW];
+        let sc = scale();
+        assert!(matches!(gpu.mla_decode(&q[..7 * ROW], 7, &cache, &[10], sc), Err(Error::Param { name: "heads", .. })));
+        assert!(matches!(gpu.mla_decode(&q, 8, &cache, &[65], sc), Err(Error::Param { name: "seq_len", .. })));
+        assert!(matches!(gpu.mla_decode(&q, 8, &cache, &[0], sc), Err(Error::Param { name: "seq_len", .. })));
+        assert!(matches!(gpu.mla_decode(&q[1..], 8, &cache, &[10], sc), Err(Error::Shape { name: "q", .. })));
+        assert!(matches!(gpu.mla_decode(&q, 8, &cache, &[10], 0.0), Err(Error::Param { name: "softmax_scale", .. })));
+        let bad_table = vec![99; s.table.len()];
+        let bad_cache = PagedCache { block_table: &bad_table, ..cache };
+        assert!(matches!(gpu.mla_decode(&q, 8, &bad_cache, &[10], sc), Err(Error::Index { name: "block_table", .. })));
+        let q3 = vec![bf16::ONE; 3 * 8 * ROW];
+        let short = gpu.tree_verify(&q3, 3, 8, &cache, &[10], &[1, 3], sc);
+        assert!(matches!(short, Err(Error::Shape { name: "visibility", .. })));
+        let long = gpu.tree_verify(&q3, 3, 8, &cache, &[62], &[1, 3, 5], sc);
+        assert!(matches!(long, Err(Error::Param { name: "seq_len", .. })));
+        assert!(matches!(MlaPlan::new(gpu, 1, 12, 64, 1), Err(Error::Param { name: "heads", .. })));
+        assert!(matches!(MlaPlan::new(gpu, 1, 8, 64, 300), Err(Error::Param { name: "MlaPlan", .. })));
+
+        // Device path: a batch larger than the plan, and a page id out of range (reported by status).
+        let mut plan = MlaPlan::new(gpu, 1, 8, 64, 1).unwrap();
+        let (q_dev, rows, seq2) =
+            (gpu.upload(&q).unwrap(), gpu.upload(&s.rows).unwrap(), gpu.upload(&[10, 10]).unwrap());
+        let (table, bad) = (gpu.upload(&s.table).unwrap(), gpu.upload(&bad_table).unwrap());
+        let (mut o, mut lse) = (gpu.zeros::<f32>(2 * 8 * LATENT).unwrap(), gpu.zeros::<f32>(2 * 8).unwrap());
+        let dev_cache = DeviceCache { rows: rows.as_view(), layout: s.layout, block_table: table.as_view() };
+        let mut out = DeviceMlaOutput { o: o.slice_mut(..2 * 8 * LATENT), lse: lse.slice_mut(..16) };
+        let too_many = plan.run_decode(gpu, &q_dev.as_view(), &dev_cache, &seq2.as_view(), sc, &mut out);
+        assert!(matches!(too_many, Err(Error::Shape { .. }) | Err(Error::Param { .. })), "{too_many:?}");
+        let seq1 = gpu.upload(&[10]).unwrap();
+        let mut out = DeviceMlaOutput { o: o.slice_mut(..8 * LATENT), lse: lse.slice_mut(..8) };
+        let bad_cache = DeviceCache { rows: rows.as_view(), layout: s.layout, block_table: bad.as_view() };
+        plan.run_decode(gpu, &q_dev.as_view(), &bad_cache, &seq1.as_view(), sc, &mut out).unwrap();
+        assert!(matches!(plan.check_status(gpu), Err(Error::Index { name: "block_table", .. })));
+        plan.run_decode(gpu, &q_dev.as_view(), &dev_cache, &seq1.as_view(), sc, &mut out).unwrap();
+        plan.check_status(gpu).unwrap();
+    }
+}

@@ -53,12 +53,8 @@ pub fn mla_decode(
     seq_len: &[i32],
     softmax_scale: f32,
 ) -> Result<MlaOutput> {
-    let bs = seq_len.len();
-    check_common(q, bs, 1, heads, cache, seq_len, 0, softmax_scale)?;
-    if let Some(b) = seq_len.iter().position(|&s| s < 1) {
-        return Err(Error::param("seq_len", seq_len[b], format!("request {b}: a decode needs at least one row")));
-    }
-    attend_all(q, bs, 1, heads, cache, softmax_scale, |b, _row| (0..seq_len[b] as usize).collect())
+    check_decode_inputs(q, heads, cache, seq_len, softmax_scale)?;
+    attend_all(q, seq_len.len(), 1, heads, cache, softmax_scale, |b, _row| (0..seq_len[b] as usize).collect())
 }
 
 /// `tree_verify`: `q [bs, N, H, 576]`; row i of request b attends to the prefix `0 .. seq_len[b]` and to
@@ -72,10 +68,8 @@ pub fn tree_verify(
     visibility: &[u32],
     softmax_scale: f32,
 ) -> Result<MlaOutput> {
-    let bs = seq_len.len();
-    check_common(q, bs, n_rows, heads, cache, seq_len, n_rows, softmax_scale)?;
-    let words = n_rows.div_ceil(32);
-    check_len("visibility", visibility.len(), &[("bs", bs), ("N", n_rows), ("W", words)])?;
+    check_tree_inputs(q, n_rows, heads, cache, seq_len, visibility, softmax_scale)?;
+    let (bs, words) = (seq_len.len(), n_rows.div_ceil(32));
     attend_all(q, bs, n_rows, heads, cache, softmax_scale, |b, row| {
         let prefix = seq_len[b] as usize;
         let bits = &visibility[(b * n_rows + row) * words..(b * n_rows + row + 1) * words];
@@ -84,17 +78,54 @@ pub fn tree_verify(
     })
 }
 
-/// Shape, head-count, scale and page-coverage checks shared by both entry points; `extra` tree rows
-/// follow each prefix.
-#[allow(clippy::too_many_arguments)]
-fn check_common(
+/// Every check of [`mla_decode`]'s inputs (shared with the CUDA host entry point).
+pub(crate) fn check_decode_inputs(
     q: &[bf16],
-    bs: usize,
+    heads: usize,
+    cache: &PagedCache,
+    seq_len: &[i32],
+    softmax_scale: f32,
+) -> Result<()> {
+    let bs = seq_len.len();
+    check_shapes(q.len(), bs, 1, heads, &cache.layout, cache.rows.len(), cache.block_table.len(), softmax_scale)?;
+    if let Some(b) = seq_len.iter().position(|&s| s < 1) {
+        return Err(Error::param("seq_len", seq_len[b], format!("request {b}: a decode needs at least one row")));
+    }
+    check_pages(cache, seq_len, 0)
+}
+
+/// Every check of [`tree_verify`]'s inputs (shared with the CUDA host entry point).
+pub(crate) fn check_tree_inputs(
+    q: &[bf16],
     n_rows: usize,
     heads: usize,
     cache: &PagedCache,
     seq_len: &[i32],
-    extra: usize,
+    visibility: &[u32],
+    softmax_scale: f32,
+) -> Result<()> {
+    let bs = seq_len.len();
+    check_shapes(q.len(), bs, n_rows, heads, &cache.layout, cache.rows.len(), cache.block_table.len(), softmax_scale)?;
+    check_visibility_len(visibility.len(), bs, n_rows)?;
+    check_pages(cache, seq_len, n_rows)
+}
+
+/// `visibility` must be `[bs, N, ceil(N / 32)]`.
+pub(crate) fn check_visibility_len(len: usize, bs: usize, n_rows: usize) -> Result<()> {
+    check_len("visibility", len, &[("bs", bs), ("N", n_rows), ("W", n_rows.div_ceil(32))])
+}
+
+/// Head count, scale, cache layout and the lengths of `q [bs, N, H, 576]`, the cache and the block
+/// tables: everything that does not need the values of `seq_len` or of the block tables.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_shapes(
+    q_len: usize,
+    bs: usize,
+    n_rows: usize,
+    heads: usize,
+    l: &KvLayout,
+    cache_len: usize,
+    table_len: usize,
     softmax_scale: f32,
 ) -> Result<()> {
     if !SUPPORTED_HEADS.contains(&heads) {
@@ -103,7 +134,6 @@ fn check_common(
     if !(softmax_scale.is_finite() && softmax_scale > 0.0) {
         return Err(Error::param("softmax_scale", softmax_scale, "must be finite and > 0"));
     }
-    let l = cache.layout;
     if l.layers != 1 || l.row_elems != ROW || l.page_size == 0 || l.pages_per_req == 0 {
         return Err(Error::param(
             "cache layout",
@@ -111,9 +141,14 @@ fn check_common(
             format!("one layer of {ROW}-element rows, page_size and pages_per_req >= 1"),
         ));
     }
-    check_len("q", q.len(), &[("bs", bs), ("N", n_rows), ("H", heads), ("row", ROW)])?;
-    check_len("cache", cache.rows.len(), &[("pages", l.num_pages), ("page_size", l.page_size), ("row", ROW)])?;
-    check_len("block_table", cache.block_table.len(), &[("bs", bs), ("pages_per_req", l.pages_per_req)])?;
+    check_len("q", q_len, &[("bs", bs), ("N", n_rows), ("H", heads), ("row", ROW)])?;
+    check_len("cache", cache_len, &[("pages", l.num_pages), ("page_size", l.page_size), ("row", ROW)])?;
+    check_len("block_table", table_len, &[("bs", bs), ("pages_per_req", l.pages_per_req)])
+}
+
+/// Each request's prefix plus `extra` tree rows must fit its paged slots, on pages that exist.
+fn check_pages(cache: &PagedCache, seq_len: &[i32], extra: usize) -> Result<()> {
+    let l = cache.layout;
     let capacity = l.pages_per_req * l.page_size;
     if let Some(b) = seq_len.iter().position(|&s| s < 0 || s as usize + extra > capacity) {
         return Err(Error::param(

@@ -8,6 +8,7 @@
 
 pub mod greedy_accept;
 pub mod kv_compact;
+pub mod mla;
 pub mod moe_int4;
 pub mod topk;
 pub mod tree_build;
@@ -103,6 +104,8 @@ struct Kernels {
     int4_tile: CudaFunction,
     int4_fill_random: CudaFunction,
     int4_dequant_bf16: CudaFunction,
+    mla_chunk: CudaFunction,
+    mla_combine: CudaFunction,
 }
 
 impl Kernels {
@@ -124,6 +127,8 @@ impl Kernels {
             int4_tile: f("int4_tile")?,
             int4_fill_random: f("int4_fill_random")?,
             int4_dequant_bf16: f("int4_dequant_bf16")?,
+            mla_chunk: f("mla_chunk")?,
+            mla_combine: f("mla_combine")?,
         })
     }
 
@@ -179,6 +184,13 @@ impl Gpu {
                 MAX_SHARED_BYTES as i32,
             )
             .map_err(|e| cuda_err("tree_build shared memory attribute", e))?;
+        kernels
+            .mla_chunk
+            .set_attribute(
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                mla::CHUNK_SHARED_BYTES as i32,
+            )
+            .map_err(|e| cuda_err("mla_chunk shared memory attribute", e))?;
         // A stream of our own (not the legacy default stream), so that launches can be captured in graphs.
         let stream = ctx.new_stream().map_err(|e| cuda_err("new_stream", e))?;
         Ok(Gpu { ctx, stream, kernels })

@@ -1,0 +1,422 @@
+// MLA absorbed attention over a paged latent cache (DESIGN.md §4.3; exact contract in reference/README.md):
+// mla_decode and tree_verify.
+//
+// Every (request, query row, head) walks its logical sequence of visible cache rows in chunks of SPLIT
+// rows. mla_chunk computes one chunk for a tile of 16 query rows that share the chunk's key list and
+// writes the chunk's (max, sum, unnormalized output) to scratch; mla_combine folds a row's chunks in
+// chunk order. mla_chunk has three modes that differ only in which rows and chunks a CTA takes:
+//   decode: the H heads of one request, any chunk of its prefix;
+//   prefix: all N*H rows of a tree request, the chunks lying wholly inside the prefix (read once per
+//           request: the request's m-tiles are the fastest grid dimension, so they run side by side and
+//           share the chunk through L2);
+//   tail:   the H heads of one tree row, the chunks holding tree rows, over that row's own key list
+//           (the prefix tail, then its visible tree rows in increasing row order).
+// All three run the same process_chunk, whose per-row arithmetic does not depend on the other rows of
+// the tile (mma computes each output element from its own row) nor on where the keys come from (a key
+// sits at the same position of the chunk in every mode). So a tree row gives the bits of a decode over
+// its compacted sequence, and a request gives the same bits alone or in any batch.
+//
+// Inside a chunk, keys go through shared memory in sub-tiles of 16 (cp.async, 4 stages) with an online
+// softmax in base 2. S = Q.K^T uses mma.m16n8k16 bf16 with Q in registers: the 576 dims are cut into
+// four quarters of 144 whose partial sums are added in a fixed order. P.V rounds P to bf16 as a hi + lo
+// pair (two mmas), because a single bf16 P costs about 2e-3 relative error, the whole tolerance.
+#include "common.cuh"
+
+namespace kdt {
+namespace mla {
+
+constexpr int LATENT = 512;
+constexpr int ROW = 576;             // elements of a query or cache row: [latent 512 | rope 64]
+constexpr int SPLIT = 256;           // visible rows per chunk (reference/README.md)
+constexpr int BM = 16;               // query rows per CTA: one mma M tile
+constexpr int BK = 16;               // keys per shared-memory sub-tile
+constexpr int STAGES = 4;            // cp.async pipeline depth
+constexpr int THREADS = 256;         // 8 warps
+constexpr int KV_STRIDE = ROW + 8;   // 16 B of padding per row: ldmatrix rows fall in distinct banks
+constexpr int P_STRIDE = 24;         // same for the 16x16 P tiles (48 B rows)
+constexpr int QUARTER = ROW / 4;     // dims per S partial sum
+constexpr int QUARTER_STEPS = QUARTER / 16;
+constexpr int PIECES = ROW * 2 / 16; // 16-byte cp.async pieces per row
+constexpr int WARP_DIMS = LATENT / (THREADS / 32);  // output dims per warp in P.V
+
+constexpr int MODE_DECODE = 0;
+constexpr int MODE_PREFIX = 1;
+constexpr int MODE_TAIL = 2;
+
+// Status bits (mirrored in src/cuda/mla.rs).
+constexpr int STATUS_BAD_PAGE = 1;  // a slot maps past the block table or to a page id out of range
+constexpr int STATUS_TOO_LONG = 2;  // a row's sequence has more chunks than the plan's scratch
+
+constexpr float LN2 = 0.693147180559945309f;
+constexpr float LOG2E = 1.44269504088896341f;
+
+static_assert(QUARTER_STEPS == 9, "the S loop below issues four x4 and one x2 ldmatrix per quarter");
+static_assert(WARP_DIMS == 64, "P.V: each warp owns 8 n-tiles of output dims");
+static_assert(BM * BK == THREADS, "softmax: one thread per (row, key) of a sub-tile");
+
+struct Smem {
+    __nv_bfloat16 kv[STAGES][BK][KV_STRIDE];  // key sub-tiles, whole cache rows
+    float s_part[4][BM][BK];                  // S partial sums of the four dim quarters
+    __nv_bfloat16 p_hi[BM][P_STRIDE];         // P rounded to bf16 ...
+    __nv_bfloat16 p_lo[BM][P_STRIDE];         // ... and the bf16 rounding of the remainder
+    float alpha[BM];                          // per row: rescale of the running output
+    long long key_off[SPLIT];                 // element offset of each key row of the chunk in the cache
+};
+
+static_assert(sizeof(Smem) == 82496, "mirrored by CHUNK_SHARED_BYTES in src/cuda/mla.rs");
+
+// What one CTA computes: query rows [row0, row1) over chunk `chunk` of a sequence of `len` rows whose
+// first `prefix` are slots 0..prefix and whose rest are the tree rows set in `vis` (nullptr: none).
+struct Task {
+    int request;
+    int row0, row1;
+    int prefix;
+    int len;
+    int chunk;
+    const uint32_t* vis;
+};
+
+// Paged cache geometry of a request.
+struct Pages {
+    const int* table;  // this request's block-table row
+    int pages_per_req, page_size, num_pages;
+};
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared; `bytes` 0 writes zeros without reading.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// acc (16x8 f32) += a (16x16 bf16, row) * b (16x8 bf16, col).
+__device__ __forceinline__ void mma_bf16(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Tree rows visible to a row: the bits below n_rows of its bitmask.
+__device__ __forceinline__ int tree_count(const uint32_t* vis, int n_rows) {
+    int count = 0;
+    for (int w = 0; w * 32 < n_rows; ++w) {
+        const int bits = n_rows - w * 32;
+        const uint32_t mask = bits >= 32 ? 0xFFFFFFFFu : ((1u << bits) - 1u);
+        count += __popc(vis[w] & mask);
+    }
+    return count;
+}
+
+// Element offset of a slot's cache row; a slot outside the block table or a bad page id flags the
+// status and reads row 0 instead (never out of bounds).
+__device__ __forceinline__ long long slot_offset(const Pages& pg, int slot, int* status) {
+    const int idx = slot / pg.page_size;
+    const int page = idx < pg.pages_per_req ? pg.table[idx] : -1;
+    if (page < 0 || page >= pg.num_pages) {
+        atomicOr(status, STATUS_BAD_PAGE);
+        return 0;
+    }
+    return ((long long)page * pg.page_size + slot % pg.page_size) * ROW;
+}
+
+// Fills key_off with the chunk's keys in sequence order: prefix slots, then the visible tree rows.
+__device__ void build_key_list(Smem& s, const Task& t, const Pages& pg, int n_rows, int nkeys, int* status) {
+    const int begin = t.chunk * SPLIT;
+    for (int i = threadIdx.x; i < min(t.prefix - begin, nkeys); i += THREADS)
+        s.key_off[i] = slot_offset(pg, begin + i, status);
+    if (t.vis == nullptr) return;
+    for (int j = threadIdx.x; j < n_rows; j += THREADS) {
+        const uint32_t word = t.vis[j >> 5];
+        if (((word >> (j & 31)) & 1u) == 0) continue;
+        int rank = __popc(word & ((1u << (j & 31)) - 1u));
+        for (int w = 0; w < (j >> 5); ++w) rank += __popc(t.vis[w]);
+        const int pos = t.prefix + rank - begin;
+        if (pos >= 0 && pos < nkeys) s.key_off[pos] = slot_offset(pg, t.prefix + j, status);
+    }
+}
+
+// Queues the cache rows of sub-tile `sub` into `stage`; keys past the chunk are zero-filled so that
+// their (zero) probabilities never meet stale or uninitialized values.
+__device__ __forceinline__ void load_subtile(Smem& s, const __nv_bfloat16* cache, int sub, int nkeys, int stage) {
+    for (int i = threadIdx.x; i < BK * PIECES; i += THREADS) {
+        const int k = i / PIECES, piece = i % PIECES;
+        const int key = sub * BK + k;
+        const bool valid = key < nkeys;
+        const __nv_bfloat16* src = cache + (valid ? s.key_off[key] + piece * 8 : 0);
+        cp_async16(&s.kv[stage][k][piece * 8], src, valid ? 16 : 0);
+    }
+}
+
+// Q fragments of this warp's dim quarter for the tile's rows g and g + 8 (zero past row1).
+__device__ __forceinline__ void load_q(uint32_t (&qa)[QUARTER_STEPS][4], const __nv_bfloat16* q, const Task& t,
+                                       int quarter, int g, int tq) {
+    const int ra = t.row0 + g, rb = ra + 8;
+    const unsigned int* pa = reinterpret_cast<const unsigned int*>(q + (long long)min(ra, t.row1 - 1) * ROW);
+    const unsigned int* pb = reinterpret_cast<const unsigned int*>(q + (long long)min(rb, t.row1 - 1) * ROW);
+#pragma unroll
+    for (int j = 0; j < QUARTER_STEPS; ++j) {
+        const int w = (quarter * QUARTER + 16 * j + 2 * tq) / 2;  // 32-bit word of dims (d, d + 1)
+        qa[j][0] = ra < t.row1 ? __ldg(pa + w) : 0u;
+        qa[j][1] = rb < t.row1 ? __ldg(pb + w) : 0u;
+        qa[j][2] = ra < t.row1 ? __ldg(pa + w + 4) : 0u;
+        qa[j][3] = rb < t.row1 ? __ldg(pb + w + 4) : 0u;
+    }
+}
+
+// S partial sum of one dim quarter for one n-tile of 8 keys, chained over the quarter's 9 k-steps in
+// order, stored to s_part[quarter].
+__device__ __forceinline__ void scores(Smem& s, int stage, const uint32_t (&qa)[QUARTER_STEPS][4], int quarter,
+                                       int ntile, int lane) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    const __nv_bfloat16* row = &s.kv[stage][ntile * 8 + (lane & 7)][quarter * QUARTER];
+#pragma unroll
+    for (int j = 0; j < QUARTER_STEPS - 1; j += 2) {
+        uint32_t b[4];
+        ldmatrix_x4(b, row + 16 * j + 8 * (lane >> 3));
+        mma_bf16(acc, qa[j], b[0], b[1]);
+        mma_bf16(acc, qa[j + 1], b[2], b[3]);
+    }
+    uint32_t b[2];
+    ldmatrix_x2(b, row + 16 * (QUARTER_STEPS - 1) + 8 * ((lane >> 3) & 1));
+    mma_bf16(acc, qa[QUARTER_STEPS - 1], b[0], b[1]);
+    const int g = lane >> 2, col = ntile * 8 + 2 * (lane & 3);
+    *reinterpret_cast<float2*>(&s.s_part[quarter][g][col]) = make_float2(acc[0], acc[1]);
+    *reinterpret_cast<float2*>(&s.s_part[quarter][g + 8][col]) = make_float2(acc[2], acc[3]);
+}
+
+// Running max / sum of one row, replicated in the 16 threads (a half warp) that handle that row.
+struct RowState {
+    float m;  // running max of the scores, base 2
+    float l;  // running sum of 2^(score - m)
+};
+
+// Online softmax over sub-tile `sub`: one thread per (row, key); writes P (hi, lo) and the row's alpha.
+__device__ __forceinline__ void softmax_step(Smem& s, int sub, int nkeys, float scale_log2, RowState& st) {
+    const int row = threadIdx.x >> 4, key = threadIdx.x & 15;
+    float acc = __fadd_rn(__fadd_rn(__fadd_rn(s.s_part[0][row][key], s.s_part[1][row][key]), s.s_part[2][row][key]),
+                          s.s_part[3][row][key]);
+    const float x = sub * BK + key < nkeys ? __fmul_rn(acc, scale_log2) : -INFINITY;
+    float mx = x;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
+    const float m_new = fmaxf(st.m, mx);
+    const float p = ex2(__fsub_rn(x, m_new));
+    // The butterfly gives every lane of the half warp the same sum (each addition is commutative).
+    float sum = p;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xFFFFFFFFu, sum, o));
+    const float alpha = ex2(__fsub_rn(st.m, m_new));
+    st.l = __fadd_rn(__fmul_rn(st.l, alpha), sum);
+    st.m = m_new;
+    const __nv_bfloat16 hi = __float2bfloat16_rn(p);
+    s.p_hi[row][key] = hi;
+    s.p_lo[row][key] = __float2bfloat16_rn(__fsub_rn(p, __bfloat162float(hi)));
+    if (key == 0) s.alpha[row] = alpha;
+}
+
+// O = O * alpha + P_hi.V + P_lo.V for this warp's 64 output dims, in that order for every element.
+__device__ __forceinline__ void accumulate_pv(Smem& s, int stage, float (&o)[8][4], int warp, int lane) {
+    const int g = lane >> 2;
+    const float a0 = s.alpha[g], a1 = s.alpha[g + 8];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        o[nt][0] = __fmul_rn(o[nt][0], a0);
+        o[nt][1] = __fmul_rn(o[nt][1], a0);
+        o[nt][2] = __fmul_rn(o[nt][2], a1);
+        o[nt][3] = __fmul_rn(o[nt][3], a1);
+    }
+    uint32_t ph[4], pl[4];
+    ldmatrix_x4(ph, &s.p_hi[lane & 15][8 * (lane >> 4)]);
+    ldmatrix_x4(pl, &s.p_lo[lane & 15][8 * (lane >> 4)]);
+    const int vkey = (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int pair = 0; pair < 4; ++pair) {
+        uint32_t v[4];
+        ldmatrix_x4_trans(v, &s.kv[stage][vkey][warp * WARP_DIMS + pair * 16 + 8 * (lane >> 4)]);
+        mma_bf16(o[2 * pair], ph, v[0], v[1]);
+        mma_bf16(o[2 * pair], pl, v[0], v[1]);
+        mma_bf16(o[2 * pair + 1], ph, v[2], v[3]);
+        mma_bf16(o[2 * pair + 1], pl, v[2], v[3]);
+    }
+}
+
+// Writes the chunk's partial results of the tile's valid rows: output, then (max, sum).
+__device__ __forceinline__ void store_partial(const Task& t, const float (&o)[8][4], const RowState& st, int warp,
+                                              int lane, int max_chunks, float* part_o, float* part_ml) {
+    const int g = lane >> 2;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = t.row0 + g + 8 * half;
+        if (r >= t.row1) continue;
+        float* dst = part_o + ((long long)r * max_chunks + t.chunk) * LATENT + warp * WARP_DIMS + 2 * (lane & 3);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+            *reinterpret_cast<float2*>(dst + 8 * nt) = make_float2(o[nt][2 * half], o[nt][2 * half + 1]);
+    }
+    const int r = t.row0 + (threadIdx.x >> 4);
+    if ((threadIdx.x & 15) == 0 && r < t.row1) {
+        float* ml = part_ml + ((long long)r * max_chunks + t.chunk) * 2;
+        ml[0] = st.m;
+        ml[1] = st.l;
+    }
+}
+
+// The one routine that processes a chunk for a tile of query rows sharing its key list.
+__device__ void process_chunk(Smem& s, const Task& t, const Pages& pg, int n_rows, const __nv_bfloat16* q,
+                              const __nv_bfloat16* cache, float scale, int max_chunks, float* part_o,
+                              float* part_ml, int* status) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int quarter = warp >> 1, ntile = warp & 1;
+    const int nkeys = min(SPLIT, t.len - t.chunk * SPLIT);
+    build_key_list(s, t, pg, n_rows, nkeys, status);
+    uint32_t qa[QUARTER_STEPS][4];
+    load_q(qa, q, t, quarter, lane >> 2, lane & 3);
+    const float scale_log2 = __fmul_rn(scale, LOG2E);
+    __syncthreads();  // key_off is complete
+
+    const int nsub = (nkeys + BK - 1) / BK;
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < nsub) load_subtile(s, cache, st, nkeys, st);
+        cp_async_commit();
+    }
+    float o[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    RowState row{-INFINITY, 0.f};
+    for (int sub = 0; sub < nsub; ++sub) {
+        cp_async_wait<STAGES - 2>();
+        // Sub-tile `sub` has landed for every thread, and every thread is done with iteration sub - 1,
+        // so its stage can be refilled and s_part / P / alpha rewritten.
+        __syncthreads();
+        const int next = sub + STAGES - 1;
+        if (next < nsub) load_subtile(s, cache, next, nkeys, next % STAGES);
+        cp_async_commit();
+        const int stage = sub % STAGES;
+        scores(s, stage, qa, quarter, ntile, lane);
+        __syncthreads();
+        softmax_step(s, sub, nkeys, scale_log2, row);
+        __syncthreads();
+        accumulate_pv(s, stage, o, warp, lane);
+    }
+    cp_async_wait<0>();  // only empty groups remain; leave none in flight at exit
+    store_partial(t, o, row, warp, lane, max_chunks, part_o, part_ml);
+}
+
+}  // namespace mla
+}  // namespace kdt
+
+using namespace kdt::mla;
+
+// grid (m-tiles of the row group, bs or bs * N, chunk slots), THREADS threads, sizeof(Smem) dynamic smem.
+// decode: y = request, z = chunk; prefix: y = request, z = chunk (only chunks wholly inside the prefix);
+// tail: y = request * N + tree row, z = chunk - seq_len / SPLIT (two slots: the chunks holding tree rows
+// start at seq_len / SPLIT and span at most two, as (SPLIT - 1 + N) <= 2 * SPLIT for N <= 257). `visibility` is unused (may be null) in
+// decode mode, where n_rows is 1.
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+    mla_chunk(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache,
+              const int* __restrict__ block_table, const int* __restrict__ seq_len,
+              const uint32_t* __restrict__ visibility, int mode, int num_pages, int page_size, int pages_per_req,
+              int n_rows, int words, int heads, int max_chunks, float scale, float* __restrict__ part_o,
+              float* __restrict__ part_ml, int* __restrict__ status) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    Smem& s = *reinterpret_cast<Smem*>(smem_raw);
+    const int request = mode == MODE_TAIL ? blockIdx.y / n_rows : blockIdx.y;
+    const int prefix = max(seq_len[request], 0);
+    Task t;
+    t.request = request;
+    t.prefix = prefix;
+    t.vis = nullptr;
+    int group_rows = heads;
+    if (mode == MODE_DECODE) {
+        t.row0 = request * heads;
+        t.len = prefix;
+        t.chunk = blockIdx.z;
+    } else if (mode == MODE_PREFIX) {
+        group_rows = n_rows * heads;
+        t.row0 = request * group_rows;
+        t.len = prefix / SPLIT * SPLIT;  // the full chunks only
+        t.chunk = blockIdx.z;
+    } else {
+        t.vis = visibility + (long long)blockIdx.y * words;
+        t.row0 = blockIdx.y * heads;
+        t.len = prefix + tree_count(t.vis, n_rows);
+        t.chunk = prefix / SPLIT + blockIdx.z;
+    }
+    if (t.chunk * SPLIT >= t.len || (int)blockIdx.x * BM >= group_rows) return;
+    if (t.chunk >= max_chunks) {
+        if (threadIdx.x == 0) atomicOr(status, STATUS_TOO_LONG);
+        return;
+    }
+    t.row1 = t.row0 + min(group_rows, (int)(blockIdx.x + 1) * BM);
+    t.row0 += blockIdx.x * BM;
+    const Pages pg{block_table + (long long)request * pages_per_req, pages_per_req, page_size, num_pages};
+    process_chunk(s, t, pg, n_rows, q, cache, scale, max_chunks, part_o, part_ml, status);
+}
+
+// grid (query rows), 128 threads: folds a row's chunk partials in chunk order and normalizes.
+// Row r is (request, tree row, head) = (r / (N*H), r / H % N, r % H); decode passes n_rows 1 and no
+// visibility.
+extern "C" __global__ void __launch_bounds__(128)
+    mla_combine(const int* __restrict__ seq_len, const uint32_t* __restrict__ visibility, int n_rows, int words,
+                int heads, int max_chunks, const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                float* __restrict__ o, float* __restrict__ lse, int* __restrict__ status) {
+    const long long r = blockIdx.x;
+    const long long tree_row = r / heads;
+    const int request = (int)(tree_row / n_rows);
+    int len = max(seq_len[request], 0);
+    if (visibility != nullptr) len += tree_count(visibility + tree_row * words, n_rows);
+    int chunks = (len + SPLIT - 1) / SPLIT;
+    if (chunks > max_chunks) {
+        if (threadIdx.x == 0) atomicOr(status, STATUS_TOO_LONG);
+        chunks = max_chunks;
+    }
+    float m = -INFINITY, l = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c = 0; c < chunks; ++c) {
+        const long long idx = r * max_chunks + c;
+        const float mc = part_ml[2 * idx], lc = part_ml[2 * idx + 1];
+        const float4 oc = reinterpret_cast<const float4*>(part_o + idx * LATENT)[threadIdx.x];
+        const float m_new = fmaxf(m, mc);
+        const float a = ex2(__fsub_rn(m, m_new)), b = ex2(__fsub_rn(mc, m_new));
+        l = __fadd_rn(__fmul_rn(l, a), __fmul_rn(lc, b));
+        acc.x = __fadd_rn(__fmul_rn(acc.x, a), __fmul_rn(oc.x, b));
+        acc.y = __fadd_rn(__fmul_rn(acc.y, a), __fmul_rn(oc.y, b));
+        acc.z = __fadd_rn(__fmul_rn(acc.z, a), __fmul_rn(oc.z, b));
+        acc.w = __fadd_rn(__fmul_rn(acc.w, a), __fmul_rn(oc.w, b));
+        m = m_new;
+    }
+    float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (chunks > 0) out = make_float4(__fdiv_rn(acc.x, l), __fdiv_rn(acc.y, l), __fdiv_rn(acc.z, l), __fdiv_rn(acc.w, l));
+    reinterpret_cast<float4*>(o + r * LATENT)[threadIdx.x] = out;
+    if (threadIdx.x == 0) lse[r] = chunks > 0 ? __fmul_rn(__fadd_rn(m, log2f(l)), LN2) : -INFINITY;
+}

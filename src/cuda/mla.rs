@@ -1,0 +1,382 @@
+//! Launcher of kernels/mla.cu: MLA absorbed attention, `mla_decode` and `tree_verify` (see
+//! [`crate::cpu::mla`]; the schedule is described at the top of the .cu file).
+//!
+//! An [`MlaPlan`] owns the split-KV scratch (one partial output, max and sum per query row and chunk of
+//! [`SPLIT`] rows) for a maximum shape; its `run_*` methods only queue kernels. Decode is two launches
+//! (chunks, combine); tree verify three (the chunks inside the prefix for all N×H rows of a request, the
+//! per-row tail chunks, combine).
+
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::{cuda_err, to_i32, Gpu};
+use crate::cpu::mla::{
+    check_decode_inputs, check_shapes, check_tree_inputs, check_visibility_len, MlaOutput, PagedCache, LATENT, ROW,
+    SPLIT,
+};
+use crate::error::{check_len, Error, Result};
+use crate::types::KvLayout;
+
+/// Threads of `mla_chunk` (kernels/mla.cu THREADS).
+const CHUNK_THREADS: u32 = 256;
+/// Query rows per `mla_chunk` CTA (kernels/mla.cu BM).
+const TILE_ROWS: usize = 16;
+/// Threads of `mla_combine`: four output dims each.
+const COMBINE_THREADS: u32 = 128;
+/// Chunk slots of the tail launch: the chunks holding tree rows start at `seq_len / SPLIT` and span at
+/// most two, since `SPLIT - 1 + N <= 2 * SPLIT` for N up to [`MAX_TREE_ROWS`].
+const TAIL_CHUNKS: u32 = 2;
+/// Largest N (tree rows per request) `tree_verify` takes: budget 256 plus the root.
+pub const MAX_TREE_ROWS: usize = SPLIT + 1;
+
+/// Dynamic shared memory of `mla_chunk` (kernels/mla.cu `struct Smem`): 4 stages of 16 padded key
+/// rows, the four S partial tiles, P as bf16 hi and lo, the rescale factors and the chunk's key offsets.
+pub const CHUNK_SHARED_BYTES: usize = 4 * 16 * (ROW + 8) * 2 + 4 * 16 * 16 * 4 + 2 * 16 * 24 * 2 + 16 * 4 + SPLIT * 8;
+
+/// Kernel modes (kernels/mla.cu MODE_*).
+const MODE_DECODE: i32 = 0;
+const MODE_PREFIX: i32 = 1;
+const MODE_TAIL: i32 = 2;
+
+/// Status bits (kernels/mla.cu STATUS_*).
+const STATUS_BAD_PAGE: i32 = 1;
+const STATUS_TOO_LONG: i32 = 2;
+
+/// One layer's paged latent cache on the device: `[num_pages, page_size, 576]` bf16 rows and
+/// `[bs, pages_per_req]` block tables, as [`PagedCache`] on the host.
+#[derive(Debug)]
+pub struct DeviceCache<'a> {
+    /// The cache rows (16-byte aligned).
+    pub rows: CudaView<'a, bf16>,
+    /// Page geometry (`layers` 1, `row_elems` 576).
+    pub layout: KvLayout,
+    /// `[bs, pages_per_req]` page ids.
+    pub block_table: CudaView<'a, i32>,
+}
+
+/// Device outputs of one run: `o [rows, 512]` and `lse [rows]` f32, `rows = bs * N * H` (N = 1 for a
+/// decode). Views, so that they can be parts of larger buffers.
+#[derive(Debug)]
+pub struct DeviceMlaOutput<'a> {
+    /// Latent outputs (16-byte aligned).
+    pub o: CudaViewMut<'a, f32>,
+    /// logsumexp per row and head.
+    pub lse: CudaViewMut<'a, f32>,
+}
+
+/// Split-KV scratch for up to `max_bs` requests of `heads` heads, `max_rows` query rows per request
+/// (1 for decode, N for tree verify) and sequences of up to `max_seq_len` visible rows (prefix plus
+/// tree rows). Partial outputs take `max_bs * max_rows * heads * ceil(max_seq_len / 256) * 2 KiB`.
+pub struct MlaPlan {
+    max_bs: usize,
+    heads: usize,
+    max_rows: usize,
+    max_chunks: usize,
+    part_o: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+    status: CudaSlice<i32>,
+}
+
+impl MlaPlan {
+    /// Allocates the scratch; `heads` must be one of [`crate::cpu::mla::SUPPORTED_HEADS`].
+    pub fn new(gpu: &Gpu, max_bs: usize, heads: usize, max_seq_len: usize, max_rows: usize) -> Result<Self> {
+        check_shapes(0, 0, 1, heads, &plan_layout(), 0, 0, 1.0)?;
+        if max_bs == 0 || max_seq_len == 0 || max_rows == 0 || max_rows > MAX_TREE_ROWS {
+            return Err(Error::param(
+                "MlaPlan",
+                format!("max_bs {max_bs}, max_seq_len {max_seq_len}, max_rows {max_rows}"),
+                format!("every maximum must be >= 1 and max_rows <= {MAX_TREE_ROWS}"),
+            ));
+        }
+        let max_chunks = max_seq_len.div_ceil(SPLIT);
+        let rows = max_bs
+            .checked_mul(max_rows * heads * max_chunks)
+            .filter(|&r| r.checked_mul(LATENT).is_some())
+            .ok_or_else(|| Error::param("MlaPlan", max_bs, "scratch size overflows usize"))?;
+        to_i32("max_chunks", max_chunks)?;
+        to_i32("bs * N", max_bs * max_rows)?;
+        Ok(MlaPlan {
+            max_bs,
+            heads,
+            max_rows,
+            max_chunks,
+            part_o: gpu.zeros(rows * LATENT)?,
+            part_ml: gpu.zeros(rows * 2)?,
+            status: gpu.zeros(1)?,
+        })
+    }
+
+    /// Queues `mla_decode` of `bs = seq_len.len()` requests: `q [bs, H, 576]` bf16 into `out`.
+    ///
+    /// Only lengths are checked here (no host round trip): the values of `seq_len` and of the block
+    /// tables are trusted. A slot past a request's block table or a page id out of range reads cache row
+    /// 0 and a sequence longer than the plan's `max_seq_len` is cut; both set a status bit that
+    /// [`MlaPlan::check_status`] reports. A request with `seq_len <= 0` gets `o = 0` and `lse = -inf`.
+    pub fn run_decode(
+        &mut self,
+        gpu: &Gpu,
+        q: &CudaView<bf16>,
+        cache: &DeviceCache,
+        seq_len: &CudaView<i32>,
+        softmax_scale: f32,
+        out: &mut DeviceMlaOutput,
+    ) -> Result<()> {
+        let x = Inputs { q, cache, seq_len, visibility: None, n_rows: 1, scale: softmax_scale };
+        self.check_run(gpu, &x, out)?;
+        self.reset_status(gpu)?;
+        let grid = (self.heads.div_ceil(TILE_ROWS) as u32, x.bs() as u32, self.max_chunks as u32);
+        self.launch_chunks(gpu, MODE_DECODE, grid, &x)?;
+        self.launch_combine(gpu, &x, out)
+    }
+
+    /// Queues `tree_verify` of `bs = seq_len.len()` requests of `n_rows` tree rows: `q [bs, N, H, 576]`
+    /// bf16 and `visibility [bs, N, ceil(N / 32)]` into `out`. Trusts the values of its inputs as
+    /// [`MlaPlan::run_decode`] does; a padding row (no visibility bit) over an empty prefix gets `o = 0`
+    /// and `lse = -inf`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_tree_verify(
+        &mut self,
+        gpu: &Gpu,
+        q: &CudaView<bf16>,
+        n_rows: usize,
+        cache: &DeviceCache,
+        seq_len: &CudaView<i32>,
+        visibility: &CudaView<u32>,
+        softmax_scale: f32,
+        out: &mut DeviceMlaOutput,
+    ) -> Result<()> {
+        let x = Inputs { q, cache, seq_len, visibility: Some(visibility), n_rows, scale: softmax_scale };
+        self.check_run(gpu, &x, out)?;
+        check_visibility_len(visibility.len(), x.bs(), n_rows)?;
+        self.reset_status(gpu)?;
+        let bs = x.bs() as u32;
+        let prefix_tiles = (n_rows * self.heads).div_ceil(TILE_ROWS) as u32;
+        self.launch_chunks(gpu, MODE_PREFIX, (prefix_tiles, bs, self.max_chunks as u32), &x)?;
+        let tail_grid = (self.heads.div_ceil(TILE_ROWS) as u32, bs * n_rows as u32, TAIL_CHUNKS);
+        self.launch_chunks(gpu, MODE_TAIL, tail_grid, &x)?;
+        self.launch_combine(gpu, &x, out)
+    }
+
+    /// Reads the status of the last run (a host round trip): an error if a slot mapped outside the block
+    /// table or the cache, or a sequence had more chunks than the plan holds.
+    pub fn check_status(&self, gpu: &Gpu) -> Result<()> {
+        let bits = gpu.download(&self.status)?[0];
+        if bits & STATUS_BAD_PAGE != 0 {
+            return Err(Error::Index {
+                name: "block_table",
+                detail: "a visible slot maps past the block table or to a page id outside the cache".into(),
+            });
+        }
+        if bits & STATUS_TOO_LONG != 0 {
+            return Err(Error::param(
+                "seq_len",
+                "> plan",
+                format!("a sequence needs more than the plan's {} chunks of {SPLIT} rows", self.max_chunks),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Length, shape, plan-fit and alignment checks of a run.
+    fn check_run(&self, gpu: &Gpu, x: &Inputs, out: &DeviceMlaOutput) -> Result<()> {
+        let (l, bs, n_rows) = (&x.cache.layout, x.bs(), x.n_rows);
+        let (cache_len, table_len) = (x.cache.rows.len(), x.cache.block_table.len());
+        check_shapes(x.q.len(), bs, n_rows, self.heads, l, cache_len, table_len, x.scale)?;
+        if bs == 0 || bs > self.max_bs || n_rows == 0 || n_rows > self.max_rows || bs * n_rows > 65_535 {
+            return Err(Error::param(
+                "bs, N",
+                format!("{bs}, {n_rows}"),
+                format!(
+                    "must be in 1..={} and 1..={} (the plan's maxima), bs * N <= 65535",
+                    self.max_bs, self.max_rows
+                ),
+            ));
+        }
+        let rows = bs * n_rows * self.heads;
+        check_len("o", out.o.len(), &[("rows", rows), ("latent", LATENT)])?;
+        check_len("lse", out.lse.len(), &[("rows", rows)])?;
+        to_i32("num_pages", l.num_pages)?;
+        to_i32("page_size", l.page_size)?;
+        to_i32("pages_per_req", l.pages_per_req)?;
+        let stream = gpu.stream();
+        for (name, ptr, align) in [
+            ("cache", x.cache.rows.device_ptr(stream).0, 16),
+            ("q", x.q.device_ptr(stream).0, 4),
+            ("o", out.o.device_ptr(stream).0, 16),
+        ] {
+            if ptr % align != 0 {
+                return Err(Error::param(
+                    name,
+                    format!("{ptr:#x}"),
+                    format!("device pointer must be {align}-byte aligned"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn reset_status(&mut self, gpu: &Gpu) -> Result<()> {
+        gpu.stream().memset_zeros(&mut self.status).map_err(|e| cuda_err("memset mla status", e))
+    }
+
+    /// One `mla_chunk` launch in `mode` over `grid` (m-tiles, request groups, chunk slots).
+    fn launch_chunks(&mut self, gpu: &Gpu, mode: i32, grid: (u32, u32, u32), x: &Inputs) -> Result<()> {
+        let l = &x.cache.layout;
+        let geometry = [l.num_pages as i32, l.page_size as i32, l.pages_per_req as i32];
+        let shape = [x.n_rows as i32, x.n_rows.div_ceil(32) as i32, self.heads as i32, self.max_chunks as i32];
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: CHUNK_SHARED_BYTES as u32,
+        };
+        let null: u64 = 0;
+        let mut b = gpu.stream().launch_builder(&gpu.kernels.mla_chunk);
+        b.arg(x.q).arg(&x.cache.rows).arg(&x.cache.block_table).arg(x.seq_len);
+        match x.visibility {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(&mode).arg(&geometry[0]).arg(&geometry[1]).arg(&geometry[2]);
+        b.arg(&shape[0]).arg(&shape[1]).arg(&shape[2]).arg(&shape[3]);
+        b.arg(&x.scale).arg(&mut self.part_o).arg(&mut self.part_ml).arg(&mut self.status);
+        unsafe { b.launch(cfg) }.map_err(|e| cuda_err("mla_chunk", e))?;
+        gpu.after_launch("mla_chunk")
+    }
+
+    /// The `mla_combine` launch: one CTA per query row.
+    fn launch_combine(&mut self, gpu: &Gpu, x: &Inputs, out: &mut DeviceMlaOutput) -> Result<()> {
+        let rows = x.bs() * x.n_rows * self.heads;
+        let shape = [x.n_rows as i32, x.n_rows.div_ceil(32) as i32, self.heads as i32, self.max_chunks as i32];
+        let cfg =
+            LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (COMBINE_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let null: u64 = 0;
+        let mut b = gpu.stream().launch_builder(&gpu.kernels.mla_combine);
+        b.arg(x.seq_len);
+        match x.visibility {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(&shape[0]).arg(&shape[1]).arg(&shape[2]).arg(&shape[3]);
+        b.arg(&self.part_o).arg(&self.part_ml).arg(&mut out.o).arg(&mut out.lse).arg(&mut self.status);
+        unsafe { b.launch(cfg) }.map_err(|e| cuda_err("mla_combine", e))?;
+        gpu.after_launch("mla_combine")
+    }
+}
+
+/// The device inputs of one run.
+struct Inputs<'r, 'v> {
+    q: &'r CudaView<'v, bf16>,
+    cache: &'r DeviceCache<'v>,
+    seq_len: &'r CudaView<'v, i32>,
+    visibility: Option<&'r CudaView<'v, u32>>,
+    n_rows: usize,
+    scale: f32,
+}
+
+impl Inputs<'_, '_> {
+    fn bs(&self) -> usize {
+        self.seq_len.len()
+    }
+}
+
+/// A layout that passes the layout checks, for checking a plan's head count alone.
+fn plan_layout() -> KvLayout {
+    KvLayout { layers: 1, num_pages: 0, page_size: 1, row_elems: ROW, pages_per_req: 1 }
+}
+
+/// Host buffers uploaded for one host-to-host call.
+struct Uploaded {
+    q: CudaSlice<bf16>,
+    rows: CudaSlice<bf16>,
+    table: CudaSlice<i32>,
+    seq_len: CudaSlice<i32>,
+    o: CudaSlice<f32>,
+    lse: CudaSlice<f32>,
+}
+
+impl Uploaded {
+    fn new(gpu: &Gpu, q: &[bf16], cache: &PagedCache, seq_len: &[i32], out_rows: usize) -> Result<Self> {
+        Ok(Uploaded {
+            q: gpu.upload(q)?,
+            rows: gpu.upload(cache.rows)?,
+            table: gpu.upload(cache.block_table)?,
+            seq_len: gpu.upload(seq_len)?,
+            o: gpu.zeros(out_rows * LATENT)?,
+            lse: gpu.zeros(out_rows)?,
+        })
+    }
+
+    /// Downloads the outputs (`o` and `lse` are allocated with at least one element, so trim to `rows`).
+    fn output(&self, gpu: &Gpu, rows: usize) -> Result<MlaOutput> {
+        let (mut o, mut lse) = (gpu.download(&self.o)?, gpu.download(&self.lse)?);
+        o.truncate(rows * LATENT);
+        lse.truncate(rows);
+        Ok(MlaOutput { o, lse })
+    }
+}
+
+/// Longest sequence of a host batch, for sizing a one-off plan.
+fn longest(seq_len: &[i32], extra: usize) -> usize {
+    seq_len.iter().map(|&s| s.max(0) as usize + extra).max().unwrap_or(0).max(1)
+}
+
+impl Gpu {
+    /// [`crate::cpu::mla::mla_decode`] on the device, with the same arguments and checks: uploads, runs,
+    /// downloads.
+    pub fn mla_decode(
+        &self,
+        q: &[bf16],
+        heads: usize,
+        cache: &PagedCache,
+        seq_len: &[i32],
+        softmax_scale: f32,
+    ) -> Result<MlaOutput> {
+        check_decode_inputs(q, heads, cache, seq_len, softmax_scale)?;
+        let bs = seq_len.len();
+        if bs == 0 {
+            return Ok(MlaOutput { o: Vec::new(), lse: Vec::new() });
+        }
+        let mut plan = MlaPlan::new(self, bs, heads, longest(seq_len, 0), 1)?;
+        let mut up = Uploaded::new(self, q, cache, seq_len, bs * heads)?;
+        let rows = bs * heads;
+        let (q_dev, seq_dev) = (up.q.as_view(), up.seq_len.as_view());
+        let dev_cache = DeviceCache { rows: up.rows.as_view(), layout: cache.layout, block_table: up.table.as_view() };
+        let mut out = DeviceMlaOutput { o: up.o.slice_mut(..rows * LATENT), lse: up.lse.slice_mut(..rows) };
+        plan.run_decode(self, &q_dev, &dev_cache, &seq_dev, softmax_scale, &mut out)?;
+        plan.check_status(self)?;
+        up.output(self, rows)
+    }
+
+    /// [`crate::cpu::mla::tree_verify`] on the device, with the same arguments and checks: uploads, runs,
+    /// downloads.
+    #[allow(clippy::too_many_arguments)]
+    pub fn tree_verify(
+        &self,
+        q: &[bf16],
+        n_rows: usize,
+        heads: usize,
+        cache: &PagedCache,
+        seq_len: &[i32],
+        visibility: &[u32],
+        softmax_scale: f32,
+    ) -> Result<MlaOutput> {
+        check_tree_inputs(q, n_rows, heads, cache, seq_len, visibility, softmax_scale)?;
+        if n_rows > MAX_TREE_ROWS {
+            return Err(Error::param("N", n_rows, format!("tree_verify takes at most {MAX_TREE_ROWS} rows")));
+        }
+        let bs = seq_len.len();
+        if bs == 0 || n_rows == 0 {
+            return Ok(MlaOutput { o: Vec::new(), lse: Vec::new() });
+        }
+        let mut plan = MlaPlan::new(self, bs, heads, longest(seq_len, n_rows), n_rows)?;
+        let mut up = Uploaded::new(self, q, cache, seq_len, bs * n_rows * heads)?;
+        let vis = self.upload(visibility)?;
+        let rows = bs * n_rows * heads;
+        let (q_dev, seq_dev, vis_dev) = (up.q.as_view(), up.seq_len.as_view(), vis.as_view());
+        let dev_cache = DeviceCache { rows: up.rows.as_view(), layout: cache.layout, block_table: up.table.as_view() };
+        let mut out = DeviceMlaOutput { o: up.o.slice_mut(..rows * LATENT), lse: up.lse.slice_mut(..rows) };
+        plan.run_tree_verify(self, &q_dev, n_rows, &dev_cache, &seq_dev, &vis_dev, softmax_scale, &mut out)?;
+        plan.check_status(self)?;
+        up.output(self, rows)
+    }
+}
