@@ -67,17 +67,18 @@ impl Tokenizer {
             let text = std::fs::read_to_string(&cfg_path).map_err(|e| data_err(&cfg_path, e))?;
             let cfg: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| data_err(&cfg_path, format!("invalid JSON: {e}")))?;
-            tok.chat_template =
-                match cfg.get("chat_template") {
-                    None | Some(serde_json::Value::Null) => None,
-                    Some(serde_json::Value::String(s)) => Some(s.clone()),
-                    Some(other) => return Err(data_err(
+            tok.chat_template = match cfg.get("chat_template") {
+                None | Some(serde_json::Value::Null) => None,
+                Some(serde_json::Value::String(s)) => Some(s.clone()),
+                Some(other) => {
+                    return Err(data_err(
                         &cfg_path,
                         format!(
                             "`chat_template` must be a string (named template lists are not supported), got {other}"
                         ),
-                    )),
-                };
+                    ))
+                }
+            };
             tok.config_path = Some(cfg_path.clone());
             tok.bos_token = token_text(&cfg, "bos_token");
             tok.eos_token = token_text(&cfg, "eos_token");
