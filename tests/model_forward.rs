@@ -157,6 +157,8 @@ fn bad_tokens_and_sequences_are_errors() {
     assert!(err.to_string().contains("token id 4096"), "{err}");
     let err = model.forward(&mut cache, &[(seq + 1, &[1])], Logits::Last).unwrap_err();
     assert!(err.to_string().contains("no sequence"), "{err}");
+    let err = model.forward(&mut cache, &[(seq, &[1]), (seq, &[2])], Logits::Last).unwrap_err();
+    assert!(err.to_string().contains("only once"), "{err}");
     let long = vec![1u32; 257];
     let err = model.forward(&mut cache, &[(seq, &long)], Logits::Last).unwrap_err();
     assert!(err.to_string().contains("max_seq_len"), "{err}");

@@ -55,7 +55,7 @@ pub struct Model {
 pub enum Logits {
     /// Every token of the call, in call order.
     All,
-    /// The last token of each sequence in the call.
+    /// The last token of each sequence in the call (sequences given no tokens get no row).
     Last,
 }
 
@@ -123,7 +123,10 @@ impl Model {
         let c = &self.config;
         let mut tokens = Vec::new();
         let mut rows = Vec::new(); // (sequence, position) of every token
-        for &(seq, ids) in batch {
+        for (i, &(seq, ids)) in batch.iter().enumerate() {
+            if batch[..i].iter().any(|&(other, _)| other == seq) {
+                return Err(Error::param("batch", seq, "a sequence may appear only once per forward call"));
+            }
             let start = cache.len(seq)?;
             cache.reserve(seq, start + ids.len())?;
             for (j, &id) in ids.iter().enumerate() {
@@ -186,11 +189,34 @@ impl Model {
         cache: &mut KvCache,
     ) -> Result<Vec<f32>> {
         let c = &self.config;
-        let (heads, nope, v) = (c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim);
         let w = &layer.attn;
-        let t_count = rows.len();
+        self.write_latent_rows(w, l, x, rows, cache)?;
+        let q_rows = self.absorbed_queries(w, x, rows)?;
+        let tables: Vec<i32> =
+            rows.iter().map(|&(seq, _)| cache.block_table(seq)).collect::<Result<Vec<_>>>()?.concat();
+        let seq_len: Vec<i32> = rows.iter().map(|&(_, pos)| pos as i32 + 1).collect();
+        let paged = PagedCache { rows: &cache.layers[l], layout: cache.layout, block_table: &tables };
+        let att = self.ops.attention(&q_rows, c.num_attention_heads, &paged, &seq_len, c.softmax_scale() as f32)?;
+        // Each (token, head)'s latent output through the head's value rows of kv_b.
+        let v = c.v_head_dim;
+        let mut o = vec![0f32; att.o.len() / LATENT * v];
+        for (r, (out, o_latent)) in o.chunks_mut(v).zip(att.o.chunks(LATENT)).enumerate() {
+            w.head_values(o_latent, r % c.num_attention_heads, c, out);
+        }
+        self.ops.linear(&w.o_proj, &o)
+    }
+
+    /// The latent cache rows of the call's tokens: `kv_a_layernorm(c_kv)` and the rotated `k_pe`, in bf16.
+    fn write_latent_rows(
+        &self,
+        w: &MlaWeights,
+        l: usize,
+        x: &[f32],
+        rows: &[(usize, usize)],
+        cache: &mut KvCache,
+    ) -> Result<()> {
         let kv = self.ops.linear(&w.kv_a, x)?; // [T, 512 + 64]
-        let latent: Vec<f32> = kv.chunks(LATENT + ROPE).flat_map(|r| r[..LATENT].iter().copied()).collect();
+        let latent: Vec<f32> = kv.chunks(ROW).flat_map(|r| r[..LATENT].iter().copied()).collect();
         let latent = w.kv_a_norm.forward(&latent);
         let mut k_pe = vec![0f32; ROPE];
         for (t, &(seq, pos)) in rows.iter().enumerate() {
@@ -199,39 +225,23 @@ impl Model {
                 latent[t * LATENT..(t + 1) * LATENT].iter().chain(&k_pe).map(|&f| bf16::from_f32(f)).collect();
             cache.write_row(l, seq, pos, &row)?;
         }
-        // Queries: q_nope absorbed through each head's key rows of kv_b, q_pe rotated.
+        Ok(())
+    }
+
+    /// The attention's query rows `[T, heads, 512 + 64]` bf16: each head's `q_nope` absorbed through its
+    /// key rows of kv_b, then its rotated `q_pe`.
+    fn absorbed_queries(&self, w: &MlaWeights, x: &[f32], rows: &[(usize, usize)]) -> Result<Vec<bf16>> {
+        let c = &self.config;
+        let (heads, nope) = (c.num_attention_heads, c.qk_nope_head_dim);
         let q = w.q.forward(&*self.ops, x)?; // [T, heads, nope + rope]
-        let qk = nope + ROPE;
-        let mut q_rows = vec![bf16::ZERO; t_count * heads * ROW];
-        let mut q_pe = vec![0f32; ROPE];
-        for (t, &(_, pos)) in rows.iter().enumerate() {
-            for hd in 0..heads {
-                let qh = &q[(t * heads + hd) * qk..(t * heads + hd + 1) * qk];
-                let out = &mut q_rows[(t * heads + hd) * ROW..(t * heads + hd + 1) * ROW];
-                let mut q_latent = vec![0f32; LATENT];
-                for (d, &qd) in qh[..nope].iter().enumerate() {
-                    let w_uk = w.kv_b.row(hd * (nope + v) + d);
-                    q_latent.iter_mut().zip(w_uk).for_each(|(acc, wk)| *acc += qd * wk.to_f32());
-                }
-                self.rope.apply(&qh[nope..], pos, &mut q_pe);
-                out.iter_mut().zip(q_latent.iter().chain(&q_pe)).for_each(|(o, &f)| *o = bf16::from_f32(f));
-            }
+        let mut q_rows = vec![bf16::ZERO; rows.len() * heads * ROW];
+        let mut row = vec![0f32; ROW];
+        for (r, (qh, out)) in q.chunks(nope + ROPE).zip(q_rows.chunks_mut(ROW)).enumerate() {
+            w.absorb_query(&qh[..nope], r % heads, c, &mut row[..LATENT]);
+            self.rope.apply(&qh[nope..], rows[r / heads].1, &mut row[LATENT..]);
+            out.iter_mut().zip(&row).for_each(|(o, &f)| *o = bf16::from_f32(f));
         }
-        let tables: Vec<i32> =
-            rows.iter().map(|&(seq, _)| cache.block_table(seq)).collect::<Result<Vec<_>>>()?.concat();
-        let seq_len: Vec<i32> = rows.iter().map(|&(_, pos)| pos as i32 + 1).collect();
-        let paged = PagedCache { rows: &cache.layers[l], layout: cache.layout, block_table: &tables };
-        let att = self.ops.attention(&q_rows, heads, &paged, &seq_len, c.softmax_scale() as f32)?;
-        // Values: each head's latent output through its value rows of kv_b.
-        let mut o = vec![0f32; t_count * heads * v];
-        for (r, out) in o.chunks_mut(v).enumerate() {
-            let (t, hd) = (r / heads, r % heads);
-            let o_latent = &att.o[(t * heads + hd) * LATENT..(t * heads + hd + 1) * LATENT];
-            for (j, val) in out.iter_mut().enumerate() {
-                *val = crate::model::layers::dot(o_latent, w.kv_b.row(hd * (nope + v) + nope + j));
-            }
-        }
-        self.ops.linear(&w.o_proj, &o)
+        Ok(q_rows)
     }
 }
 

@@ -289,6 +289,27 @@ pub struct MlaWeights {
     pub o_proj: Linear,
 }
 
+impl MlaWeights {
+    /// Head `head`'s query in the latent space: `q_latent[j] = Σ_d q_nope[d] · W_UK[d][j]`, where `W_UK`
+    /// are the head's key rows of kv_b (the absorption that lets attention run over the latent cache).
+    pub fn absorb_query(&self, q_nope: &[f32], head: usize, c: &Config, q_latent: &mut [f32]) {
+        let first = head * (c.qk_nope_head_dim + c.v_head_dim);
+        q_latent.fill(0.0);
+        for (d, &qd) in q_nope.iter().enumerate() {
+            q_latent.iter_mut().zip(self.kv_b.row(first + d)).for_each(|(acc, wk)| *acc += qd * wk.to_f32());
+        }
+    }
+
+    /// Head `head`'s attention output from its latent output: `out[j] = W_UV[j] · o_latent`, where `W_UV`
+    /// are the head's value rows of kv_b.
+    pub fn head_values(&self, o_latent: &[f32], head: usize, c: &Config, out: &mut [f32]) {
+        let first = head * (c.qk_nope_head_dim + c.v_head_dim) + c.qk_nope_head_dim;
+        for (j, v) in out.iter_mut().enumerate() {
+            *v = dot(o_latent, self.kv_b.row(first + j));
+        }
+    }
+}
+
 /// transformers builds `q_a_layernorm` and `kv_a_layernorm` with their default epsilon, not the config's.
 const LATENT_NORM_EPS: f64 = 1e-6;
 
