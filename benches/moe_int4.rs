@@ -97,7 +97,8 @@ mod kimi {
             random_logits(tokens * SHAPE.hidden, SHAPE.hidden, 7).into_iter().map(bf16::from_f32).collect();
         let logits = random_logits(tokens * SHAPE.count, SHAPE.count, 11 + tokens as u64);
         let bias: Vec<f32> = random_logits(SHAPE.count, SHAPE.count, 5).iter().map(|b| b * 0.01).collect();
-        let (x, logits, bias) = (gpu.upload(&host_x).unwrap(), gpu.upload(&logits).unwrap(), gpu.upload(&bias).unwrap());
+        let (x, logits, bias) =
+            (gpu.upload(&host_x).unwrap(), gpu.upload(&logits).unwrap(), gpu.upload(&bias).unwrap());
         let mut plan = MoePlan::new(gpu, SHAPE, K, tokens).unwrap();
         plan.route(gpu, &logits.as_view(), &bias.as_view(), SCALING, tokens).unwrap();
         plan.check_status(gpu).unwrap();
@@ -182,8 +183,10 @@ mod kimi {
             .filter(|&e| offsets[e + 1] > offsets[e])
             .map(|e| {
                 let pairs = &b.routing.sorted_pairs[offsets[e] as usize..offsets[e + 1] as usize];
-                let rows: Vec<bf16> =
-                    pairs.iter().flat_map(|&p| b.host_x[(p as usize / K) * h..(p as usize / K + 1) * h].to_vec()).collect();
+                let rows: Vec<bf16> = pairs
+                    .iter()
+                    .flat_map(|&p| b.host_x[(p as usize / K) * h..(p as usize / K + 1) * h].to_vec())
+                    .collect();
                 ExpertGemm {
                     expert: e,
                     rows: pairs.len(),

@@ -245,8 +245,9 @@ mod gpu {
         let case = &cases("moe_int4")[0];
         let weights = FixtureWeights::load(case);
         let m = weights.experts(case).w13;
-        let dev = DeviceInt4::from_native(gpu, gpu.upload(m.packed).unwrap(), gpu.upload(m.scale).unwrap(), m.rows, m.cols)
-            .unwrap();
+        let dev =
+            DeviceInt4::from_native(gpu, gpu.upload(m.packed).unwrap(), gpu.upload(m.scale).unwrap(), m.rows, m.cols)
+                .unwrap();
         let (packed, scale) = dev.download(gpu).unwrap();
         let want = match LAYOUT {
             Int4Layout::Native => (m.packed.to_vec(), m.scale.to_vec()),
@@ -264,8 +265,9 @@ mod gpu {
         let mut words = |n: usize| (0..n).map(|_| (next() >> 32) as i32).collect::<Vec<i32>>();
         let (w13p, w2p) = (words(e * 2 * i * h / 8), words(e * h * i / 8));
         let mut next = xorshift(seed ^ 0xABCD);
-        let mut scales =
-            |n: usize| (0..n).map(|_| bf16::from_f32(0.002 + (next() >> 40) as f32 / (1u64 << 24) as f32 * 0.01)).collect();
+        let mut scales = |n: usize| {
+            (0..n).map(|_| bf16::from_f32(0.002 + (next() >> 40) as f32 / (1u64 << 24) as f32 * 0.01)).collect()
+        };
         let (w13s, w2s) = (scales(e * 2 * i * h / 32), scales(e * h * i / 32));
         (w13p, w13s, w2p, w2s)
     }
@@ -345,7 +347,8 @@ mod gpu {
         let logits = random_logits(&mut next, 40 * e);
         let bias = vec![0.0f32; e];
         let mut plan = MoePlan::new(gpu, dev.shape, k, 40).unwrap();
-        let (x_dev, logits_dev, bias_dev) = (gpu.upload(&x).unwrap(), gpu.upload(&logits).unwrap(), gpu.upload(&bias).unwrap());
+        let (x_dev, logits_dev, bias_dev) =
+            (gpu.upload(&x).unwrap(), gpu.upload(&logits).unwrap(), gpu.upload(&bias).unwrap());
         let mut out = gpu.zeros::<f32>(40 * h).unwrap();
         for t in [40usize, 3, 40] {
             plan.route(gpu, &logits_dev.slice(..t * e), &bias_dev.as_view(), 2.827, t).unwrap();

@@ -110,7 +110,9 @@ pub fn untile(tiled: &Int4Matrix) -> Result<Int4Owned> {
     tiled.check("packed")?;
     let groups = tiled.cols / GROUP;
     let mut out = Int4Owned { packed: vec![0; tiled.packed.len()], scale: vec![bf16::ZERO; tiled.scale.len()] };
-    for_each_tiled_slot(tiled.rows, groups, |t, row, g, word| out.packed[row * groups * 4 + g * 4 + word] = tiled.packed[t]);
+    for_each_tiled_slot(tiled.rows, groups, |t, row, g, word| {
+        out.packed[row * groups * 4 + g * 4 + word] = tiled.packed[t]
+    });
     for_each_tiled_scale(tiled.rows, groups, |t, row, g| out.scale[row * groups + g] = tiled.scale[t]);
     Ok(out)
 }

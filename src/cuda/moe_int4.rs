@@ -299,7 +299,9 @@ impl MoePlan {
         check_len("topk_weights", topk_weights.len(), &[("T", tokens), ("k", self.k)])?;
         let pairs = tokens * self.k;
         let stream = gpu.stream();
-        stream.memcpy_dtod(topk_ids, &mut self.topk_ids.slice_mut(..pairs)).map_err(|e| cuda_err("copy topk_ids", e))?;
+        stream
+            .memcpy_dtod(topk_ids, &mut self.topk_ids.slice_mut(..pairs))
+            .map_err(|e| cuda_err("copy topk_ids", e))?;
         stream
             .memcpy_dtod(topk_weights, &mut self.topk_weights.slice_mut(..pairs))
             .map_err(|e| cuda_err("copy topk_weights", e))?;

@@ -24,6 +24,11 @@ pub struct Yarn {
     pub mscale: f64,
     /// Attention magnitude scaling applied to all dims (enters the softmax scale).
     pub mscale_all_dim: f64,
+    /// Factor on the rotary cos/sin (transformers' `attention_factor`): given, or
+    /// `mscale(factor, mscale) / mscale(factor, mscale_all_dim)` when both are set, else `mscale(factor, 1)`.
+    pub attention_factor: f64,
+    /// Whether the correction range is rounded outward to whole dims (transformers' `truncate`, default true).
+    pub truncate: bool,
 }
 
 /// INT4 routed experts in compressed-tensors `pack-quantized` format.
@@ -80,6 +85,9 @@ pub struct Config {
     pub yarn: Option<Yarn>,
     /// Whether lm_head shares the embedding.
     pub tie_word_embeddings: bool,
+    /// Whether the checkpoint's rotary dims are stored as interleaved pairs `(2i, 2i+1)` (DeepSeek's layout,
+    /// transformers' default) rather than as halves `(i, i + d/2)`.
+    pub rope_interleave: bool,
     /// INT4 routed experts, or `None` for bf16 experts.
     pub int4_experts: Option<Int4Experts>,
 }
@@ -114,6 +122,7 @@ struct Raw {
     rope_theta: Option<f64>,
     rope_scaling: Option<serde_json::Value>,
     tie_word_embeddings: Option<bool>,
+    rope_interleave: Option<bool>,
     quantization_config: Option<serde_json::Value>,
 }
 
@@ -189,6 +198,7 @@ impl Config {
             rope_theta: required("rope_theta", raw.rope_theta)?,
             yarn: raw.rope_scaling.as_ref().map(parse_yarn).transpose()?,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            rope_interleave: raw.rope_interleave.unwrap_or(true),
             int4_experts: raw.quantization_config.as_ref().map(parse_int4).transpose()?,
         };
         config.check()?;
@@ -229,8 +239,8 @@ impl Config {
     pub fn softmax_scale(&self) -> f64 {
         let base = ((self.qk_nope_head_dim + self.qk_rope_head_dim) as f64).powf(-0.5);
         match &self.yarn {
-            Some(y) if y.factor > 1.0 && y.mscale_all_dim != 0.0 => {
-                let m = 0.1 * y.mscale_all_dim * y.factor.ln() + 1.0;
+            Some(y) if y.mscale_all_dim != 0.0 => {
+                let m = yarn_mscale(y.factor, y.mscale_all_dim);
                 base * m * m
             }
             _ => base,
@@ -249,14 +259,43 @@ fn parse_yarn(v: &serde_json::Value) -> Result<Yarn> {
             None => default.ok_or_else(|| unsupported(field, "missing", "required in rope_scaling")),
         }
     };
+    let factor = num("factor", None)?;
+    if !(factor.is_finite() && factor > 0.0) {
+        return Err(unsupported("rope_scaling.factor", factor, "must be finite and > 0"));
+    }
+    // transformers treats an absent and a zero mscale alike (`if mscale and mscale_all_dim`).
+    let mscale = num("mscale", Some(0.0))?;
+    let mscale_all_dim = num("mscale_all_dim", Some(0.0))?;
+    let attention_factor = match v.get("attention_factor") {
+        Some(_) => num("attention_factor", None)?,
+        None if mscale != 0.0 && mscale_all_dim != 0.0 => {
+            yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        }
+        None => yarn_mscale(factor, 1.0),
+    };
+    let truncate = match v.get("truncate") {
+        None => true,
+        Some(t) => t.as_bool().ok_or_else(|| unsupported("rope_scaling.truncate", t, "must be a boolean"))?,
+    };
     Ok(Yarn {
-        factor: num("factor", None)?,
+        factor,
         original_max_position_embeddings: num("original_max_position_embeddings", None)? as usize,
         beta_fast: num("beta_fast", Some(32.0))?,
         beta_slow: num("beta_slow", Some(1.0))?,
-        mscale: num("mscale", Some(1.0))?,
-        mscale_all_dim: num("mscale_all_dim", Some(0.0))?,
+        mscale: if mscale == 0.0 { 1.0 } else { mscale },
+        mscale_all_dim,
+        attention_factor,
+        truncate,
     })
+}
+
+/// YaRN's magnitude correction `0.1 · m · ln(factor) + 1` (1 for factor <= 1).
+pub fn yarn_mscale(factor: f64, m: f64) -> f64 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * m * factor.ln() + 1.0
+    }
 }
 
 /// Accepts only compressed-tensors `pack-quantized` symmetric INT4 weights with a group strategy.

@@ -77,6 +77,11 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// Total bytes of the checkpoint's safetensors files.
+    pub fn size_bytes(&self) -> u64 {
+        self.shards.iter().map(|s| s.map.len() as u64).sum()
+    }
+
     /// Whether the checkpoint holds `name`.
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)

@@ -1,0 +1,353 @@
+//! The model's building blocks with their checkpoint tensors: bf16 linear layers, RMSNorm, the dense MLP,
+//! the MoE block (router, INT4 routed experts, shared expert) and the MLA projections.
+//!
+//! Activations are float32 `[tokens, features]` row-major. Every output element is one dot product summed
+//! in a fixed order, whatever the number of tokens, so a token's result does not depend on the batch.
+
+use half::bf16;
+use rayon::prelude::*;
+
+use crate::cpu::moe_int4::{self, Experts, Int4Matrix, Routing};
+use crate::error::{Error, Result};
+use crate::model::config::Config;
+use crate::model::ops::Ops;
+use crate::model::weights::Checkpoint;
+
+/// Output elements per parallel work item of [`Linear::forward`].
+const CHUNK: usize = 64;
+
+/// A bias-free linear layer with a bf16 weight `[out, in]`.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    w: Vec<bf16>,
+    out: usize,
+    inp: usize,
+}
+
+impl Linear {
+    /// Reads `<name>` as a `[out, inp]` bf16 tensor.
+    pub fn load(ckpt: &Checkpoint, name: &str, out: usize, inp: usize) -> Result<Self> {
+        Ok(Linear { w: ckpt.bf16(name, &[out, inp])?, out, inp })
+    }
+
+    /// Output features.
+    pub fn out_features(&self) -> usize {
+        self.out
+    }
+
+    /// Row `r` of the weight.
+    pub fn row(&self, r: usize) -> &[bf16] {
+        &self.w[r * self.inp..(r + 1) * self.inp]
+    }
+
+    /// Input features.
+    pub fn in_features(&self) -> usize {
+        self.inp
+    }
+
+    /// `x [T, in]` times the weight's transpose on the CPU: `[T, out]`, float32 accumulation in input
+    /// order (what [`crate::model::ops::CpuOps`] runs).
+    pub fn forward_cpu(&self, x: &[f32]) -> Vec<f32> {
+        let tokens = x.len() / self.inp;
+        let mut y = vec![0f32; tokens * self.out];
+        y.par_chunks_mut(CHUNK).enumerate().for_each(|(c, chunk)| {
+            for (j, v) in chunk.iter_mut().enumerate() {
+                let (t, r) = ((c * CHUNK + j) / self.out, (c * CHUNK + j) % self.out);
+                *v = dot(&x[t * self.inp..(t + 1) * self.inp], self.row(r));
+            }
+        });
+        y
+    }
+}
+
+/// `Σ x[i] · w[i]` in float32, in index order.
+pub fn dot(x: &[f32], w: &[bf16]) -> f32 {
+    x.iter().zip(w).fold(0.0f32, |acc, (a, b)| acc + a * b.to_f32())
+}
+
+/// RMSNorm with a learned scale: `w · x / sqrt(mean(x²) + eps)`, in float32.
+#[derive(Clone, Debug)]
+pub struct RmsNorm {
+    w: Vec<f32>,
+    eps: f32,
+}
+
+impl RmsNorm {
+    /// Reads the `[dim]` bf16 scale `<name>`.
+    pub fn load(ckpt: &Checkpoint, name: &str, dim: usize, eps: f64) -> Result<Self> {
+        let w = ckpt.bf16(name, &[dim])?.into_iter().map(|v| v.to_f32()).collect();
+        Ok(RmsNorm { w, eps: eps as f32 })
+    }
+
+    /// Normalizes every row of `x [T, dim]`.
+    pub fn forward(&self, x: &[f32]) -> Vec<f32> {
+        let dim = self.w.len();
+        let mut y = vec![0f32; x.len()];
+        for (row, out) in x.chunks(dim).zip(y.chunks_mut(dim)) {
+            let mean = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+            let inv = 1.0 / (mean + self.eps).sqrt();
+            for ((o, v), w) in out.iter_mut().zip(row).zip(&self.w) {
+                *o = w * (v * inv);
+            }
+        }
+        y
+    }
+}
+
+/// `SiLU(a) · b` elementwise.
+fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    gate.iter().zip(up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect()
+}
+
+/// The gated MLP `down(SiLU(gate(x)) · up(x))` in bf16 weights (dense layers and the shared expert).
+#[derive(Clone, Debug)]
+pub struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    /// Reads `<prefix>.{gate,up,down}_proj.weight` for hidden size `h` and intermediate size `i`.
+    pub fn load(ckpt: &Checkpoint, prefix: &str, h: usize, i: usize) -> Result<Self> {
+        Ok(Mlp {
+            gate: Linear::load(ckpt, &format!("{prefix}.gate_proj.weight"), i, h)?,
+            up: Linear::load(ckpt, &format!("{prefix}.up_proj.weight"), i, h)?,
+            down: Linear::load(ckpt, &format!("{prefix}.down_proj.weight"), h, i)?,
+        })
+    }
+
+    /// `x [T, h]` to `[T, h]`.
+    pub fn forward(&self, ops: &dyn Ops, x: &[f32]) -> Result<Vec<f32>> {
+        let act = silu_mul(&ops.linear(&self.gate, x)?, &ops.linear(&self.up, x)?);
+        ops.linear(&self.down, &act)
+    }
+}
+
+/// One layer's routed experts in the `pack-quantized` INT4 layout, concatenated the way
+/// [`moe_int4::moe_int4`] reads them: `w13` = each expert's gate rows then up rows, `w2` = down rows.
+#[derive(Clone, Debug)]
+pub struct RoutedExperts {
+    count: usize,
+    hidden: usize,
+    inter: usize,
+    w13_packed: Vec<i32>,
+    w13_scale: Vec<bf16>,
+    w2_packed: Vec<i32>,
+    w2_scale: Vec<bf16>,
+}
+
+impl RoutedExperts {
+    /// Reads `<prefix>.experts.<e>.{gate,up,down}_proj.weight_{packed,scale,shape}` for every expert.
+    pub fn load(ckpt: &Checkpoint, prefix: &str, config: &Config) -> Result<Self> {
+        let (count, hidden, inter) = (config.n_routed_experts, config.hidden_size, config.moe_intermediate_size);
+        let mut experts = RoutedExperts {
+            count,
+            hidden,
+            inter,
+            w13_packed: Vec::new(),
+            w13_scale: Vec::new(),
+            w2_packed: Vec::new(),
+            w2_scale: Vec::new(),
+        };
+        for e in 0..count {
+            for proj in ["gate_proj", "up_proj"] {
+                let (p, s) = read_int4(ckpt, &format!("{prefix}.experts.{e}.{proj}"), inter, hidden)?;
+                experts.w13_packed.extend(p);
+                experts.w13_scale.extend(s);
+            }
+            let (p, s) = read_int4(ckpt, &format!("{prefix}.experts.{e}.down_proj"), hidden, inter)?;
+            experts.w2_packed.extend(p);
+            experts.w2_scale.extend(s);
+        }
+        Ok(experts)
+    }
+
+    /// The borrowed view the MoE kernel takes.
+    pub fn view(&self) -> Experts<'_> {
+        let (e, h, i) = (self.count, self.hidden, self.inter);
+        Experts {
+            count: e,
+            hidden: h,
+            inter: i,
+            w13: Int4Matrix { packed: &self.w13_packed, scale: &self.w13_scale, rows: e * 2 * i, cols: h },
+            w2: Int4Matrix { packed: &self.w2_packed, scale: &self.w2_scale, rows: e * h, cols: i },
+        }
+    }
+}
+
+/// One INT4 projection `[rows, cols]`: its packed values and scales, after checking `weight_shape` (when the
+/// checkpoint has it) against the shape the config implies.
+fn read_int4(ckpt: &Checkpoint, base: &str, rows: usize, cols: usize) -> Result<(Vec<i32>, Vec<bf16>)> {
+    if !cols.is_multiple_of(moe_int4::GROUP) {
+        return Err(Error::param(
+            "routed expert input features",
+            cols,
+            format!("`{base}`: INT4 groups need a multiple of {}", moe_int4::GROUP),
+        ));
+    }
+    let shape_name = format!("{base}.weight_shape");
+    if ckpt.contains(&shape_name) {
+        let shape = ckpt.i32(&shape_name, &[2])?;
+        if shape != [rows as i32, cols as i32] {
+            return Err(Error::param(
+                "weight_shape",
+                format!("{shape:?}"),
+                format!("`{shape_name}` must be [{rows}, {cols}] for this config"),
+            ));
+        }
+    }
+    let packed = ckpt.i32(&format!("{base}.weight_packed"), &[rows, cols / moe_int4::PACK])?;
+    let scale = ckpt.bf16(&format!("{base}.weight_scale"), &[rows, cols / moe_int4::GROUP])?;
+    Ok((packed, scale))
+}
+
+/// A DeepSeek-V3 MoE block: sigmoid router with a correction bias, INT4 routed experts, shared expert.
+#[derive(Clone, Debug)]
+pub struct Moe {
+    router: Linear,
+    bias: Vec<f32>,
+    experts: RoutedExperts,
+    shared: Option<Mlp>,
+    top_k: usize,
+    scaling: f64,
+}
+
+impl Moe {
+    /// Reads `<prefix>.gate.{weight,e_score_correction_bias}`, the routed and the shared experts.
+    pub fn load(ckpt: &Checkpoint, prefix: &str, config: &Config) -> Result<Self> {
+        if config.int4_experts.is_none() {
+            return Err(Error::param(
+                "quantization_config",
+                "missing",
+                "only INT4 (compressed-tensors pack-quantized) routed experts are supported",
+            ));
+        }
+        let (h, e) = (config.hidden_size, config.n_routed_experts);
+        let shared = (config.n_shared_experts > 0)
+            .then(|| {
+                let i = config.moe_intermediate_size * config.n_shared_experts;
+                Mlp::load(ckpt, &format!("{prefix}.shared_experts"), h, i)
+            })
+            .transpose()?;
+        Ok(Moe {
+            router: Linear::load(ckpt, &format!("{prefix}.gate.weight"), e, h)?,
+            bias: ckpt.f32(&format!("{prefix}.gate.e_score_correction_bias"), &[e])?,
+            experts: RoutedExperts::load(ckpt, prefix, config)?,
+            shared,
+            top_k: config.num_experts_per_tok,
+            scaling: config.routed_scaling_factor,
+        })
+    }
+
+    /// `x [T, h]` to `[T, h]`: routed experts (inputs rounded to bf16, as the INT4 kernel takes them) plus
+    /// the shared expert.
+    pub fn forward(&self, ops: &dyn Ops, x: &[f32]) -> Result<Vec<f32>> {
+        let logits = ops.linear(&self.router, x)?;
+        let routing: Routing = moe_int4::route(&logits, &self.bias, self.experts.count, self.top_k, self.scaling)?;
+        let x16: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let mut out = ops.routed_experts(&x16, &routing, &self.experts.view())?;
+        if let Some(shared) = &self.shared {
+            out.iter_mut().zip(shared.forward(ops, x)?).for_each(|(o, s)| *o += s);
+        }
+        Ok(out)
+    }
+}
+
+/// The query projection: full rank, or low rank through `q_a_proj → q_a_layernorm → q_b_proj`.
+#[derive(Clone, Debug)]
+pub enum QueryProj {
+    /// `q_proj`.
+    Full(Linear),
+    /// `q_a_proj`, `q_a_layernorm`, `q_b_proj`.
+    LowRank(Linear, RmsNorm, Linear),
+}
+
+impl QueryProj {
+    /// `x [T, h]` to `[T, heads · (nope + rope)]`.
+    pub fn forward(&self, ops: &dyn Ops, x: &[f32]) -> Result<Vec<f32>> {
+        match self {
+            QueryProj::Full(q) => ops.linear(q, x),
+            QueryProj::LowRank(a, norm, b) => ops.linear(b, &norm.forward(&ops.linear(a, x)?)),
+        }
+    }
+}
+
+/// The MLA projections of one layer (the attention itself runs over the latent cache, in `forward.rs`).
+#[derive(Clone, Debug)]
+pub struct MlaWeights {
+    /// Query projection.
+    pub q: QueryProj,
+    /// `kv_a_proj_with_mqa`: `[kv_lora_rank + rope, h]`, the latent then the shared rotary key.
+    pub kv_a: Linear,
+    /// `kv_a_layernorm` on the latent.
+    pub kv_a_norm: RmsNorm,
+    /// `kv_b_proj`: `[heads · (nope + v), kv_lora_rank]`, per head the key rows (absorbed into the query)
+    /// then the value rows (applied to the attention's latent output).
+    pub kv_b: Linear,
+    /// `o_proj`: `[h, heads · v]`.
+    pub o_proj: Linear,
+}
+
+impl MlaWeights {
+    /// Head `head`'s query in the latent space: `q_latent[j] = Σ_d q_nope[d] · W_UK[d][j]`, where `W_UK`
+    /// are the head's key rows of kv_b (the absorption that lets attention run over the latent cache).
+    pub fn absorb_query(&self, q_nope: &[f32], head: usize, c: &Config, q_latent: &mut [f32]) {
+        let first = head * (c.qk_nope_head_dim + c.v_head_dim);
+        q_latent.fill(0.0);
+        for (d, &qd) in q_nope.iter().enumerate() {
+            q_latent.iter_mut().zip(self.kv_b.row(first + d)).for_each(|(acc, wk)| *acc += qd * wk.to_f32());
+        }
+    }
+
+    /// Head `head`'s attention output from its latent output: `out[j] = W_UV[j] · o_latent`, where `W_UV`
+    /// are the head's value rows of kv_b.
+    pub fn head_values(&self, o_latent: &[f32], head: usize, c: &Config, out: &mut [f32]) {
+        let first = head * (c.qk_nope_head_dim + c.v_head_dim) + c.qk_nope_head_dim;
+        for (j, v) in out.iter_mut().enumerate() {
+            *v = dot(o_latent, self.kv_b.row(first + j));
+        }
+    }
+}
+
+/// transformers builds `q_a_layernorm` and `kv_a_layernorm` with their default epsilon, not the config's.
+const LATENT_NORM_EPS: f64 = 1e-6;
+
+impl MlaWeights {
+    /// Reads `<prefix>.{q_proj | q_a_proj, q_a_layernorm, q_b_proj}, kv_a_proj_with_mqa, kv_a_layernorm,
+    /// kv_b_proj, o_proj`.
+    pub fn load(ckpt: &Checkpoint, prefix: &str, c: &Config) -> Result<Self> {
+        let (h, heads) = (c.hidden_size, c.num_attention_heads);
+        let q_dim = heads * (c.qk_nope_head_dim + c.qk_rope_head_dim);
+        let q = match c.q_lora_rank {
+            None => QueryProj::Full(Linear::load(ckpt, &format!("{prefix}.q_proj.weight"), q_dim, h)?),
+            Some(r) => QueryProj::LowRank(
+                Linear::load(ckpt, &format!("{prefix}.q_a_proj.weight"), r, h)?,
+                RmsNorm::load(ckpt, &format!("{prefix}.q_a_layernorm.weight"), r, LATENT_NORM_EPS)?,
+                Linear::load(ckpt, &format!("{prefix}.q_b_proj.weight"), q_dim, r)?,
+            ),
+        };
+        Ok(MlaWeights {
+            q,
+            kv_a: Linear::load(
+                ckpt,
+                &format!("{prefix}.kv_a_proj_with_mqa.weight"),
+                c.kv_lora_rank + c.qk_rope_head_dim,
+                h,
+            )?,
+            kv_a_norm: RmsNorm::load(
+                ckpt,
+                &format!("{prefix}.kv_a_layernorm.weight"),
+                c.kv_lora_rank,
+                LATENT_NORM_EPS,
+            )?,
+            kv_b: Linear::load(
+                ckpt,
+                &format!("{prefix}.kv_b_proj.weight"),
+                heads * (c.qk_nope_head_dim + c.v_head_dim),
+                c.kv_lora_rank,
+            )?,
+            o_proj: Linear::load(ckpt, &format!("{prefix}.o_proj.weight"), h, heads * c.v_head_dim)?,
+        })
+    }
+}

@@ -1,0 +1,251 @@
+//! The CPU forward pass against Hugging Face transformers on the tiny checkpoint of
+//! `reference/make_tiny_checkpoint.py`: logits of every prompt position, the 32-token greedy continuation,
+//! batch invariance, and errors naming the problem for broken checkpoints.
+
+use std::path::{Path, PathBuf};
+
+use kdtree_engine::fixture::Fixture;
+use kdtree_engine::model::{KvCache, Logits, Model};
+use kdtree_engine::Error;
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+
+const CASES: [&str; 4] = ["hello", "capital", "story", "chat"];
+/// Issue 5's bounds against the float32 transformers reference.
+const MAX_REL_FROBENIUS: f64 = 1e-2;
+const MIN_ARGMAX_AGREEMENT: f64 = 0.99;
+
+fn tiny_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny_model")
+}
+
+fn case(name: &str) -> Fixture {
+    Fixture::open(tiny_dir().join("reference").join(name)).unwrap()
+}
+
+fn ids(f: &Fixture, key: &str) -> Vec<u32> {
+    f.array::<i32>(key).unwrap().into_iter().map(|v| v as u32).collect()
+}
+
+fn cache(model: &Model) -> KvCache {
+    model.new_cache(64, 16, 256).unwrap()
+}
+
+/// Index of the largest value, ties to the smaller index.
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn rel_frobenius(a: &[f32], reference: &[f32]) -> f64 {
+    let diff: f64 = a.iter().zip(reference).map(|(x, r)| (*x as f64 - *r as f64).powi(2)).sum();
+    let norm: f64 = reference.iter().map(|r| (*r as f64).powi(2)).sum();
+    (diff / norm).sqrt()
+}
+
+/// Prefill of the whole prompt in one call, logits at every position.
+fn prefill(model: &Model, prompt: &[u32]) -> Vec<f32> {
+    let mut cache = cache(model);
+    let seq = cache.add_sequence();
+    model.forward(&mut cache, &[(seq, prompt)], Logits::All).unwrap()
+}
+
+#[test]
+fn prompt_logits_match_transformers() {
+    let model = Model::load(tiny_dir()).unwrap();
+    let vocab = model.config().vocab_size;
+    for name in CASES {
+        let f = case(name);
+        let prompt = ids(&f, "input_ids");
+        let expected: Vec<f32> = f.array("logits").unwrap();
+        let got = prefill(&model, &prompt);
+        assert_eq!(got.len(), expected.len(), "{name}: logits shape");
+        let err = rel_frobenius(&got, &expected);
+        let rows = prompt.len();
+        let same = (0..rows)
+            .filter(|&t| argmax(&got[t * vocab..(t + 1) * vocab]) == argmax(&expected[t * vocab..(t + 1) * vocab]))
+            .count();
+        let agreement = same as f64 / rows as f64;
+        println!("{name}: {rows} positions, relative Frobenius error {err:.3e}, argmax agreement {same}/{rows}");
+        assert!(err <= MAX_REL_FROBENIUS, "{name}: relative Frobenius error {err:.3e} > {MAX_REL_FROBENIUS}");
+        assert!(agreement >= MIN_ARGMAX_AGREEMENT, "{name}: argmax agreement {same}/{rows}");
+    }
+}
+
+#[test]
+fn greedy_continuation_matches_transformers() {
+    let model = Model::load(tiny_dir()).unwrap();
+    for name in CASES {
+        let f = case(name);
+        let prompt = ids(&f, "input_ids");
+        let expected = ids(&f, "greedy");
+        let mut cache = cache(&model);
+        let seq = cache.add_sequence();
+        let mut logits = model.forward(&mut cache, &[(seq, &prompt)], Logits::Last).unwrap();
+        let mut generated = Vec::new();
+        while generated.len() < expected.len() {
+            let next = argmax(&logits);
+            generated.push(next);
+            logits = model.forward(&mut cache, &[(seq, &[next])], Logits::Last).unwrap();
+        }
+        let same = generated.iter().zip(&expected).take_while(|(a, b)| a == b).count();
+        println!("{name}: greedy continuation matches for {same}/{} tokens", expected.len());
+        assert_eq!(generated, expected, "{name}: greedy continuation differs from transformers");
+    }
+}
+
+#[test]
+fn logits_are_batch_invariant() {
+    let model = Model::load(tiny_dir()).unwrap();
+    let mut prompts: Vec<Vec<u32>> = CASES.iter().map(|n| ids(&case(n), "input_ids")).collect();
+    // Four more prompts of other lengths, cut from the fixtures' prompts.
+    let extra: Vec<Vec<u32>> = prompts.iter().map(|p| p[..p.len().div_ceil(2)].to_vec()).collect();
+    prompts.extend(extra);
+    assert_eq!(prompts.len(), 8);
+    let alone: Vec<Vec<f32>> = prompts.iter().map(|p| prefill(&model, p)).collect();
+
+    let mut cache = cache(&model);
+    let seqs: Vec<usize> = prompts.iter().map(|_| cache.add_sequence()).collect();
+    let batch: Vec<(usize, &[u32])> = seqs.iter().zip(&prompts).map(|(&s, p)| (s, p.as_slice())).collect();
+    let together = model.forward(&mut cache, &batch, Logits::All).unwrap();
+    let vocab = model.config().vocab_size;
+    let mut start = 0;
+    for (i, (p, a)) in prompts.iter().zip(&alone).enumerate() {
+        let end = start + p.len() * vocab;
+        assert!(together[start..end] == a[..], "prompt {i}: logits in a batch of 8 differ from alone");
+        start = end;
+    }
+
+    // One decode step for all eight sequences at once equals each sequence's own step.
+    let step: Vec<u32> = (0..8).map(|i| 100 + i).collect();
+    let batch: Vec<(usize, &[u32])> = seqs.iter().zip(&step).map(|(&s, t)| (s, std::slice::from_ref(t))).collect();
+    let together = model.forward(&mut cache, &batch, Logits::Last).unwrap();
+    for (i, p) in prompts.iter().enumerate() {
+        let mut own = self::cache(&model);
+        let seq = own.add_sequence();
+        model.forward(&mut own, &[(seq, p)], Logits::Last).unwrap();
+        let alone = model.forward(&mut own, &[(seq, &[step[i]])], Logits::Last).unwrap();
+        assert!(together[i * vocab..(i + 1) * vocab] == alone[..], "prompt {i}: batched decode step differs");
+    }
+}
+
+#[test]
+fn prefill_equals_token_by_token_decoding() {
+    let model = Model::load(tiny_dir()).unwrap();
+    let prompt = ids(&case("story"), "input_ids");
+    let all = prefill(&model, &prompt);
+    let mut cache = cache(&model);
+    let seq = cache.add_sequence();
+    let vocab = model.config().vocab_size;
+    for (t, &tok) in prompt.iter().enumerate() {
+        let step = model.forward(&mut cache, &[(seq, &[tok])], Logits::Last).unwrap();
+        assert!(step[..] == all[t * vocab..(t + 1) * vocab], "position {t}: decode differs from prefill");
+    }
+}
+
+#[test]
+fn bad_tokens_and_sequences_are_errors() {
+    let model = Model::load(tiny_dir()).unwrap();
+    let mut cache = cache(&model);
+    let seq = cache.add_sequence();
+    let err = model.forward(&mut cache, &[(seq, &[4096])], Logits::Last).unwrap_err();
+    assert!(err.to_string().contains("token id 4096"), "{err}");
+    let err = model.forward(&mut cache, &[(seq + 1, &[1])], Logits::Last).unwrap_err();
+    assert!(err.to_string().contains("no sequence"), "{err}");
+    let err = model.forward(&mut cache, &[(seq, &[1]), (seq, &[2])], Logits::Last).unwrap_err();
+    assert!(err.to_string().contains("only once"), "{err}");
+    let long = vec![1u32; 257];
+    let err = model.forward(&mut cache, &[(seq, &long)], Logits::Last).unwrap_err();
+    assert!(err.to_string().contains("max_seq_len"), "{err}");
+}
+
+// ---- broken checkpoints, built in a temp dir from the tiny one ----------------------------------------
+
+/// A copy of the tiny checkpoint in a fresh temp dir.
+fn scratch_copy(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kdtree-model-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tiny_dir().join(file), dir.join(file)).unwrap();
+    }
+    dir
+}
+
+/// Rewrites `model.safetensors` in `dir` with tensor `name` replaced by (dtype, shape, bytes), or removed.
+fn rewrite(dir: &Path, name: &str, replacement: Option<(Dtype, Vec<usize>, &[u8])>) {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, TensorView)> = st.tensors();
+    let i = tensors.iter().position(|(n, _)| n == name).expect("the tiny checkpoint has the tensor");
+    match replacement {
+        Some((dtype, shape, data)) => tensors[i].1 = TensorView::new(dtype, shape, data).unwrap(),
+        None => drop(tensors.remove(i)),
+    }
+    safetensors::serialize_to_file(tensors, None, &dir.join("model.safetensors")).unwrap();
+}
+
+fn load_err(dir: &Path) -> String {
+    match Model::load(dir) {
+        Ok(_) => panic!("loading {} should fail", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn a_missing_tensor_is_named() {
+    let dir = scratch_copy("missing");
+    let name = "model.layers.2.self_attn.kv_b_proj.weight";
+    rewrite(&dir, name, None);
+    let err = load_err(&dir);
+    assert!(err.contains("missing tensor") && err.contains(name), "{err}");
+}
+
+#[test]
+fn a_tensor_of_the_wrong_shape_is_named() {
+    let dir = scratch_copy("shape");
+    let name = "model.layers.0.mlp.down_proj.weight";
+    let data = vec![0u8; 128 * 128 * 2];
+    rewrite(&dir, name, Some((Dtype::BF16, vec![128, 128], &data)));
+    let err = load_err(&dir);
+    assert!(err.contains(name) && err.contains("[128, 128]") && err.contains("[128, 256]"), "{err}");
+}
+
+#[test]
+fn a_wrong_int4_weight_shape_is_named() {
+    let dir = scratch_copy("weight_shape");
+    let name = "model.layers.3.mlp.experts.7.up_proj.weight_shape";
+    let data: Vec<u8> = [64i32, 96].iter().flat_map(|v| v.to_le_bytes()).collect();
+    rewrite(&dir, name, Some((Dtype::I32, vec![2], &data)));
+    let err = load_err(&dir);
+    assert!(err.contains(name) && err.contains("[64, 96]"), "{err}");
+}
+
+#[test]
+fn a_truncated_file_is_named() {
+    let dir = scratch_copy("truncated");
+    let path = dir.join("model.safetensors");
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len / 2).unwrap();
+    let err = load_err(&dir);
+    assert!(err.contains("model.safetensors") && err.contains("not a valid safetensors file"), "{err}");
+}
+
+#[test]
+fn an_unsupported_config_value_is_named() {
+    let dir = scratch_copy("config");
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["scoring_func"] = "softmax".into();
+    std::fs::write(&path, config.to_string()).unwrap();
+    match Model::load(&dir) {
+        Err(Error::Param { name, value, .. }) => assert_eq!((name, value.as_str()), ("scoring_func", "softmax")),
+        Err(other) => panic!("expected a parameter error naming scoring_func, got {other}"),
+        Ok(_) => panic!("a softmax router should be rejected"),
+    }
+}
