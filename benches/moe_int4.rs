@@ -1,5 +1,5 @@
 //! MoE with INT4 experts at full Kimi-K2 dimensions (H 7168, I 2048, 384 experts resident, top-8) for
-//! T 1..256 tokens. Ids are `moe_int4/<row>/t<T>`:
+//! T 1..256 tokens. Ids are `moe_int4/<row>/t<T>` (`moe_int4_tiled/...` when built with `int4-tiled`):
 //! - `gpu_experts`: the two grouped GEMMs and the combine for a routing already on the device;
 //! - `gpu_step`: routing + alignment + the same;
 //! - `cublas_bf16`: the baseline a user would otherwise pick, the same experts dequantized to bf16 and
@@ -23,7 +23,7 @@ mod kimi {
     use half::bf16;
     use kdtree_engine::cpu::moe_int4::{moe_int4, Experts, Int4Matrix, Routing};
     use kdtree_engine::cuda::moe_int4::{
-        dequantize_native, random_native, DeviceExperts, DeviceInt4, ExpertsShape, MoePlan,
+        dequantize_native, random_native, DeviceExperts, DeviceInt4, ExpertsShape, Int4Layout, MoePlan, LAYOUT,
     };
     use kdtree_engine::cuda::Gpu;
 
@@ -115,10 +115,15 @@ mod kimi {
 
     pub fn bench(c: &mut Criterion) {
         let Some(gpu) = crate::common::gpu::open() else { return };
-        bench_copy(c, &gpu, "moe_int4");
+        // One group per layout, so that the two builds' results sit side by side.
+        let name = match LAYOUT {
+            Int4Layout::Native => "moe_int4",
+            Int4Layout::Tiled => "moe_int4_tiled",
+        };
+        bench_copy(c, &gpu, name);
         let layer = layer(&gpu);
         let blas = CudaBlas::new(gpu.stream().clone()).expect("cuBLAS loads");
-        let mut group = c.benchmark_group("moe_int4");
+        let mut group = c.benchmark_group(name);
         group.sampling_mode(criterion::SamplingMode::Flat);
         for tokens in TOKENS {
             let mut b = batch(&gpu, tokens);

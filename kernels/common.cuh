@@ -83,6 +83,22 @@ __device__ __forceinline__ u64 lse_term(float v, float m) {
 // Shift that yields 0 instead of undefined behaviour at 64.
 __device__ __forceinline__ u64 shr64(u64 x, int n) { return n >= 64 ? 0ull : (x >> n); }
 
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Asynchronous global -> shared copies (sm_80+, so sm_90 and sm_120 alike). `bytes` below the copy size
+// fills the rest with zeros; 0 reads nothing.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 struct MaxOp {
     template <typename T>
     __device__ __forceinline__ T operator()(const T& a, const T& b) const { return a > b ? a : b; }

@@ -17,7 +17,6 @@ namespace moe {
 constexpr int GROUP = 32;
 constexpr int WARPS = 8;
 constexpr int THREADS = WARPS * 32;
-constexpr int MT = 2;  // m16 tiles per block (gate + up rows, or 32 down rows)
 constexpr int MAX_EXPERTS = 1024;
 constexpr int ROUTE_THREADS = 512;
 constexpr int ROUTE_ITEMS = MAX_EXPERTS / ROUTE_THREADS;
@@ -167,46 +166,73 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 }
 
 // ---------------------------------------------------------------------------------------------------
-// INT4 weight loading. A warp's m16 tile at group g needs, per lane (r = lane / 4, c = lane % 4), the
-// packed word c of group g for rows r and r + 8, and those rows' scales.
+// Grouped GEMMs. A warp computes MT m16 tiles (16 weight rows each) against NT n8 tiles (8 tokens each)
+// over its share of K, walked in chunks of 4 groups (128 inputs). Each chunk of an m16 tile goes through
+// a per-warp ring of shared-memory stages filled by cp.async, so several chunks are in flight per warp.
+// A stage holds, for lane l (r = l / 4, c = l % 4), the packed word c of the chunk's 4 groups for row r
+// (`word[0][l]`) and row r + 8 (`word[1][l]`), and the 16 rows' scales as 8 (row i, row i + 8) quads.
 
-struct Frag {
-    uint32_t word[2];  // rows r, r + 8
-    float scale[2];
+constexpr int CHUNK_GROUPS = 4;
+
+struct StageTile {
+    uint4 word[2][32];           // [row half][lane]: 4 words, one per group of the chunk
+    __nv_bfloat16 scale[8][2][4];  // [row i][half][group]: row i + 8 * half
 };
 
-// Checkpoint layout: packed [rows, cols/8] i32, scale [rows, cols/32] bf16.
+// Checkpoint layout: packed [rows, cols/8] i32, scale [rows, cols/32] bf16. Lane l copies its 8 words
+// (4 bytes each) and, where the scale rows allow 4-byte copies (an even group count), one scale pair.
 struct NativeLayout {
-    __device__ __forceinline__ static Frag load(const uint32_t* __restrict__ packed,
-                                                const __nv_bfloat16* __restrict__ scale, int row0, int cols,
-                                                int g) {
+    __device__ __forceinline__ static void stage(StageTile* dst, const uint32_t* __restrict__ packed,
+                                                 const __nv_bfloat16* __restrict__ scale, int row0, int groups,
+                                                 int chunk) {
         const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
-        const size_t words = cols / 8, groups = cols / GROUP;
-        Frag f;
-        f.word[0] = __ldg(packed + (size_t)(row0 + r) * words + g * 4 + c);
-        f.word[1] = __ldg(packed + (size_t)(row0 + r + 8) * words + g * 4 + c);
-        f.scale[0] = __bfloat162float(scale[(size_t)(row0 + r) * groups + g]);
-        f.scale[1] = __bfloat162float(scale[(size_t)(row0 + r + 8) * groups + g]);
-        return f;
+        const int g0 = chunk * CHUNK_GROUPS;
+        // 32-bit word offsets (the launcher keeps every matrix under 2^31 words) keep the eight copies'
+        // addresses cheap in registers.
+        const uint32_t words = groups * 4;
+        const uint32_t row_lo = (uint32_t)(row0 + r) * words + c, row_hi = row_lo + 8 * words;
+        uint32_t* out_lo = reinterpret_cast<uint32_t*>(&dst->word[0][lane]);
+        uint32_t* out_hi = reinterpret_cast<uint32_t*>(&dst->word[1][lane]);
+#pragma unroll
+        for (int j = 0; j < CHUNK_GROUPS; ++j) {
+            const bool in = g0 + j < groups;
+            const uint32_t at = (g0 + j) * 4;
+            cp_async4(out_lo + j, packed + (in ? row_lo + at : 0), in ? 4 : 0);
+            cp_async4(out_hi + j, packed + (in ? row_hi + at : 0), in ? 4 : 0);
+        }
+        if (groups % 2 == 0) {
+            const int i = lane & 15, pair = lane >> 4;  // row i of the tile, groups 2 pair, 2 pair + 1
+            const int g = g0 + 2 * pair;
+            const bool in = g < groups;
+            const __nv_bfloat16* src = scale + (size_t)(row0 + i) * groups + g;
+            cp_async4(&dst->scale[i & 7][i >> 3][2 * pair], in ? src : scale, in ? 4 : 0);
+        } else {
+            // Odd group counts (small shapes only) cannot use 4-byte copies: plain loads, zeros past the end.
+            const int i = lane & 15, pair = lane >> 4;
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int g = g0 + 2 * pair + q;
+                dst->scale[i & 7][i >> 3][2 * pair + q] =
+                    g < groups ? scale[(size_t)(row0 + i) * groups + g] : __float2bfloat16_rn(0.0f);
+            }
+        }
     }
 };
 
-// Tiled layout (int4_tile): for each 16-row tile and group, the 32 lanes' (row r, row r + 8) word pairs
-// are contiguous (256 bytes), and the tile's scales are stored as 8 (row i, row i + 8) pairs (32 bytes).
+// Tiled layout (int4_tile, cpu::moe_int4::tile): each (16-row tile, chunk) is a StageTile image in
+// global memory, so the copy is two 16-byte pieces per lane plus eight for the scales.
 struct TiledLayout {
-    __device__ __forceinline__ static Frag load(const uint32_t* __restrict__ packed,
-                                                const __nv_bfloat16* __restrict__ scale, int row0, int cols,
-                                                int g) {
-        const int lane = threadIdx.x & 31, groups = cols / GROUP;
-        const size_t tile = (size_t)(row0 / 16) * groups + g;
-        const uint2 w = __ldg(reinterpret_cast<const uint2*>(packed) + tile * 32 + lane);
-        const __nv_bfloat162 s = reinterpret_cast<const __nv_bfloat162*>(scale)[tile * 8 + (lane >> 2)];
-        Frag f;
-        f.word[0] = w.x;
-        f.word[1] = w.y;
-        f.scale[0] = __low2float(s);
-        f.scale[1] = __high2float(s);
-        return f;
+    __device__ __forceinline__ static void stage(StageTile* dst, const uint32_t* __restrict__ packed,
+                                                 const __nv_bfloat16* __restrict__ scale, int row0, int groups,
+                                                 int chunk) {
+        const int lane = threadIdx.x & 31;
+        const int chunks = (groups + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
+        const size_t tile = (size_t)(row0 / 16) * chunks + chunk;
+        const uint4* src = reinterpret_cast<const uint4*>(packed) + tile * 64;
+        cp_async16(&dst->word[0][lane], src + lane, 16);
+        cp_async16(&dst->word[1][lane], src + 32 + lane, 16);
+        if (lane < 8)
+            cp_async16(&dst->scale[lane][0][0], reinterpret_cast<const uint4*>(scale) + tile * 8 + lane, 16);
     }
 };
 
@@ -226,69 +252,119 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// One group of one (m16 tile, n8 tile): the lane's word holds group elements 8c .. 8c + 7, split into the
-// pairs (0, 4), (1, 5), (2, 6), (3, 7); the activations are paired the same way, so the k order inside
-// the MMA is a permutation of the group that A and B share.
-__device__ __forceinline__ void group_mma(float (&acc)[4], const Frag& w, uint4 x) {
+// One group of one (m16 tile, n8 tile). The lane's words (rows r, r + 8) hold group elements 8c .. 8c + 7
+// as the pairs (0, 4), (1, 5), (2, 6), (3, 7); the activations are paired the same way, so the k order
+// inside the MMA is a permutation of the group that A and B share. The group's integer products are
+// exact in the MMA and its scale is applied once, in f32.
+__device__ __forceinline__ void group_mma(float (&acc)[4], uint32_t w0, uint32_t w1, float s0, float s1, uint4 x) {
     const uint32_t x04 = __byte_perm(x.x, x.z, 0x5410), x15 = __byte_perm(x.x, x.z, 0x7632);
     const uint32_t x26 = __byte_perm(x.y, x.w, 0x5410), x37 = __byte_perm(x.y, x.w, 0x7632);
     float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const uint32_t a0[4] = {nibble_pair(w.word[0], 0), nibble_pair(w.word[1], 0), nibble_pair(w.word[0], 4),
-                            nibble_pair(w.word[1], 4)};
+    const uint32_t a0[4] = {nibble_pair(w0, 0), nibble_pair(w1, 0), nibble_pair(w0, 4), nibble_pair(w1, 4)};
     mma_bf16(part, a0, x04, x15);
-    const uint32_t a1[4] = {nibble_pair(w.word[0], 8), nibble_pair(w.word[1], 8), nibble_pair(w.word[0], 12),
-                            nibble_pair(w.word[1], 12)};
+    const uint32_t a1[4] = {nibble_pair(w0, 8), nibble_pair(w1, 8), nibble_pair(w0, 12), nibble_pair(w1, 12)};
     mma_bf16(part, a1, x26, x37);
-    acc[0] = fmaf(w.scale[0], part[0], acc[0]);
-    acc[1] = fmaf(w.scale[0], part[1], acc[1]);
-    acc[2] = fmaf(w.scale[1], part[2], acc[2]);
-    acc[3] = fmaf(w.scale[1], part[3], acc[3]);
+    acc[0] = fmaf(s0, part[0], acc[0]);
+    acc[1] = fmaf(s0, part[1], acc[1]);
+    acc[2] = fmaf(s1, part[2], acc[2]);
+    acc[3] = fmaf(s1, part[3], acc[3]);
 }
 
-// The operands of one expert GEMM: weight matrix [rows, cols] and the activation rows of the expert's
-// tokens (a bf16 row of `cols` per token, found through `act_row`).
+// The lane's activations of group g: elements 8c .. 8c + 7 of its token (zeros past the groups or
+// without a token).
+__device__ __forceinline__ uint4 load_act(const __nv_bfloat16* act, int g, int groups) {
+    const int c = threadIdx.x & 3;
+    return act && g < groups ? __ldg(reinterpret_cast<const uint4*>(act + g * GROUP + 8 * c)) : make_uint4(0, 0, 0, 0);
+}
+
+// Multiplies one staged chunk (groups g0 .. g0 + 3) of MT m16 tiles with NT n8 tiles. With one n8 tile
+// the activations come prefetched in `xp`; with more they are loaded here, one group at a time, so they
+// do not all occupy registers at once.
+template <int MT, int NT>
+__device__ __forceinline__ void chunk_mma(float (&acc)[MT][NT][4], const StageTile* tiles,
+                                          const uint4 (&xp)[CHUNK_GROUPS], const __nv_bfloat16* const (&act)[NT],
+                                          int g0, int groups) {
+    const int lane = threadIdx.x & 31;
+    uint32_t lo[MT][CHUNK_GROUPS], hi[MT][CHUNK_GROUPS];
+    float s_lo[MT][CHUNK_GROUPS], s_hi[MT][CHUNK_GROUPS];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        const uint4 w0 = tiles[m].word[0][lane], w1 = tiles[m].word[1][lane];
+        const uint4 sv = *reinterpret_cast<const uint4*>(&tiles[m].scale[lane >> 2][0][0]);
+        const __nv_bfloat16* sc = reinterpret_cast<const __nv_bfloat16*>(&sv);
+        const uint32_t l4[4] = {w0.x, w0.y, w0.z, w0.w}, h4[4] = {w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+        for (int j = 0; j < CHUNK_GROUPS; ++j) {
+            lo[m][j] = l4[j];
+            hi[m][j] = h4[j];
+            s_lo[m][j] = __bfloat162float(sc[j]);
+            s_hi[m][j] = __bfloat162float(sc[4 + j]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < CHUNK_GROUPS; ++j) {
+        uint4 x[NT];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) x[n] = NT == 1 ? xp[j] : load_act(act[n], g0 + j, groups);
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int n = 0; n < NT; ++n) group_mma(acc[m][n], lo[m][j], hi[m][j], s_lo[m][j], s_hi[m][j], x[n]);
+    }
+}
+
+// The operands of one expert GEMM: weight matrix [rows, cols] and the first row of each of the warp's
+// m16 tiles.
+template <int MT>
 struct GemmArgs {
     const uint32_t* packed;
     const __nv_bfloat16* scale;
     int cols;
-    int row0[MT];  // first weight row of each m16 tile
+    int row0[MT];
 };
 
-// A warp's partial sums over its share of the groups for NT n8 tiles of tokens. Lanes whose token is
-// past `tokens` read zeros. `act[n]` is the lane's activation row in n-tile n (or null).
-template <class Layout, int NT, int UNROLL>
-__device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs& args, const __nv_bfloat16* const (&act)[NT]) {
-    const int warp = threadIdx.x >> 5, c = threadIdx.x & 3;
+// A warp's partial sums over chunks [c_begin, c_end) for NT n8 tiles of tokens; `act[n]` is the lane's
+// activation row in n-tile n (null past the expert's tokens). `ring` holds STAGES * MT StageTiles.
+template <class Layout, int MT, int NT, int STAGES>
+__device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, const __nv_bfloat16* const (&act)[NT],
+                          int c_begin, int c_end, StageTile* ring) {
     const int groups = args.cols / GROUP;
-    const int g_begin = warp * groups / WARPS, g_end = (warp + 1) * groups / WARPS;
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.0f;
-    for (int g0 = g_begin; g0 < g_end; g0 += UNROLL) {
-        Frag w[UNROLL][MT];
-        uint4 x[UNROLL][NT];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int g = g0 + u;
-            const bool in = g < g_end;
+    auto issue = [&](int chunk) {
+        if (chunk < c_end) {
+            StageTile* dst = ring + ((chunk - c_begin) % STAGES) * MT;
 #pragma unroll
             for (int m = 0; m < MT; ++m)
-                w[u][m] = in ? Layout::load(args.packed, args.scale, args.row0[m], args.cols, g) : Frag{{0, 0}, {0, 0}};
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-                x[u][n] = in && act[n] ? __ldg(reinterpret_cast<const uint4*>(act[n] + g * GROUP + 8 * c))
-                                       : make_uint4(0, 0, 0, 0);
+                Layout::stage(dst + m, args.packed, args.scale, args.row0[m], groups, chunk);
         }
+        cp_async_commit();  // also when empty, so the group count stays one per chunk
+    };
+#pragma unroll 1
+    for (int s = 0; s < STAGES - 1; ++s) issue(c_begin + s);
+    // One n8 tile: the activations of the next chunk load while this one computes (more n8 tiles load
+    // theirs inside chunk_mma).
+    uint4 x[CHUNK_GROUPS];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
+    for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = NT == 1 ? load_act(act[0], c_begin * CHUNK_GROUPS + j, groups) : uint4{};
+    for (int chunk = c_begin; chunk < c_end; ++chunk) {
+        issue(chunk + STAGES - 1);
+        uint4 x_next[CHUNK_GROUPS];
 #pragma unroll
-            for (int m = 0; m < MT; ++m)
+        for (int j = 0; j < CHUNK_GROUPS; ++j)
+            x_next[j] = NT == 1 && chunk + 1 < c_end ? load_act(act[0], (chunk + 1) * CHUNK_GROUPS + j, groups) : uint4{};
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();
+        chunk_mma<MT, NT>(acc, ring + ((chunk - c_begin) % STAGES) * MT, x, act, chunk * CHUNK_GROUPS, groups);
+        __syncwarp();  // every lane is done with the stage before it is refilled
 #pragma unroll
-                for (int n = 0; n < NT; ++n) group_mma(acc[m][n], w[u][m], x[u][n]);
+        for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = x_next[j];
     }
+    cp_async_wait<0>();
 }
 
 // The expert this block serves: its pairs are sorted_pairs[begin, begin + count).
@@ -305,43 +381,65 @@ __device__ __forceinline__ bool block_expert(const int* active_experts, const in
     return true;
 }
 
-// Sums the warps' partials in warp order. Element index: ((m * NT + n) * 32 + lane) * 4 + i.
-template <int NT>
-struct Partials {
-    float v[WARPS][MT * NT * 32 * 4];
-
-    __device__ __forceinline__ void store(const float (&acc)[MT][NT][4]) {
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-                *reinterpret_cast<float4*>(&v[warp][((m * NT + n) * 32 + lane) * 4]) =
-                    make_float4(acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
-    }
-
-    __device__ __forceinline__ float sum(int idx) const {
-        float s = v[0][idx];
-#pragma unroll
-        for (int w = 1; w < WARPS; ++w) s += v[w][idx];
-        return s;
-    }
-};
-
 // The fragment element idx = ((m * NT + n) * 32 + lane) * 4 + i sits at tile row lane / 4 (+ 8 for
 // i >= 2) and token column n * 8 + 2 * (lane % 4) + (i & 1).
 __device__ __forceinline__ int frag_row(int lane, int i) { return (lane >> 2) + (i >= 2 ? 8 : 0); }
 __device__ __forceinline__ int frag_col(int n, int lane, int i) { return n * 8 + 2 * (lane & 3) + (i & 1); }
 
-// GEMM 1: h[pos, j] = bf16(silu(x · gate_j) * (x · up_j)) for the expert's sorted positions `pos`.
-// Grid: (active experts, I / 16); tile rows j0 .. j0 + 15 of gate and of up.
-template <class Layout, int NT, int UNROLL>
+// A block's geometry: WARPS = KSPLIT warps splitting K at fixed chunk boundaries x RGROUPS row groups of
+// MT m16 tiles. Shared memory: the warps' stage rings, then the partial sums [KSPLIT][RGROUPS][frag].
+template <int MT, int NT, int KSPLIT, int STAGES>
+struct BlockShape {
+    static constexpr int RGROUPS = WARPS / KSPLIT;
+    static constexpr int FRAG = MT * NT * 128;  // accumulators of one warp
+    static constexpr size_t RING_BYTES = (size_t)WARPS * STAGES * MT * sizeof(StageTile);
+    static constexpr size_t SHARED_BYTES = RING_BYTES + (size_t)WARPS * FRAG * sizeof(float);
+
+    __device__ static StageTile* ring(unsigned char* smem) {
+        return reinterpret_cast<StageTile*>(smem) + (threadIdx.x >> 5) * STAGES * MT;
+    }
+    __device__ static float* partials(unsigned char* smem) { return reinterpret_cast<float*>(smem + RING_BYTES); }
+
+    // Runs the warp's share of a pass and leaves its accumulators in the partials.
+    // A row group past the matrix (`rows_valid` false) computes nothing but still reaches the barriers.
+    template <class Layout>
+    __device__ static void pass(unsigned char* smem, const GemmArgs<MT>& args, const __nv_bfloat16* const (&act)[NT],
+                                bool rows_valid) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kslice = warp % KSPLIT;
+        const int chunks = (args.cols / GROUP + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
+        const int c_begin = kslice * chunks / KSPLIT, c_end = rows_valid ? (kslice + 1) * chunks / KSPLIT : c_begin;
+        float acc[MT][NT][4];
+        warp_gemm<Layout, MT, NT, STAGES>(acc, args, act, c_begin, c_end, ring(smem));
+        float* out = partials(smem) + (size_t)warp * FRAG;
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                *reinterpret_cast<float4*>(&out[((m * NT + n) * 32 + lane) * 4]) =
+                    make_float4(acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
+    }
+
+    // Row group `rg`'s element idx summed over the K slices in order (warp w = rg * KSPLIT + kslice).
+    __device__ static float sum(const unsigned char* smem, int rg, int idx) {
+        const float* p = reinterpret_cast<const float*>(smem + RING_BYTES) + (size_t)rg * KSPLIT * FRAG + idx;
+        float s = p[0];
+#pragma unroll
+        for (int k = 1; k < KSPLIT; ++k) s += p[(size_t)k * FRAG];
+        return s;
+    }
+};
+
+// GEMM 1: h[pos, j] = bf16(silu(x · gate_j) * (x · up_j)) for the expert's sorted positions `pos`. A row
+// group covers 16 rows j of gate (m tile 0) and of up (m tile 1). Grid: (active experts, I / (16 RGROUPS)).
+template <class Layout, int NT, int KSPLIT, int STAGES>
 __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,
                         const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k,
                         const int* __restrict__ sorted_pairs, const ExpertSlice& ex, __nv_bfloat16* __restrict__ h) {
-    __shared__ Partials<NT> part;
-    const int lane = threadIdx.x & 31, j0 = blockIdx.y * 16;
-    GemmArgs args{w13, w13_scale, H, {ex.expert * 2 * I + j0, ex.expert * 2 * I + I + j0}};
+    typedef BlockShape<2, NT, KSPLIT, STAGES> Shape;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x & 31, rg = (threadIdx.x >> 5) / KSPLIT;
+    const int j0 = (blockIdx.y * Shape::RGROUPS + rg) * 16;
+    const GemmArgs<2> args{w13, w13_scale, H, {ex.expert * 2 * I + j0, ex.expert * 2 * I + I + j0}};
     for (int t0 = 0; t0 < ex.count; t0 += NT * 8) {
         const __nv_bfloat16* act[NT];
 #pragma unroll
@@ -349,30 +447,33 @@ __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __r
             const int t = t0 + n * 8 + (lane >> 2);
             act[n] = t < ex.count ? x + (size_t)(sorted_pairs[ex.begin + t] / k) * H : nullptr;
         }
-        float acc[MT][NT][4];
-        warp_gemm<Layout, NT, UNROLL>(acc, args, act);
-        part.store(acc);
+        Shape::template pass<Layout>(smem, args, act, true);
         __syncthreads();
-        for (int idx = threadIdx.x; idx < NT * 32 * 4; idx += THREADS) {
-            const int n = idx / 128, l = (idx / 4) & 31, i = idx & 3;
+        for (int idx = threadIdx.x; idx < Shape::RGROUPS * NT * 128; idx += THREADS) {
+            const int g = idx / (NT * 128), e = idx % (NT * 128);
+            const int n = e / 128, l = (e / 4) & 31, i = e & 3;
             const int t = t0 + frag_col(n, l, i);
             if (t >= ex.count) continue;
-            const float g = part.sum(idx), u = part.sum(NT * 128 + idx);
-            const float silu = g / (1.0f + expf(-g));
-            h[(size_t)(ex.begin + t) * I + j0 + frag_row(l, i)] = __float2bfloat16_rn(silu * u);
+            const float gate = Shape::sum(smem, g, e), up = Shape::sum(smem, g, NT * 128 + e);
+            const float silu = gate / (1.0f + expf(-gate));
+            const int row = (blockIdx.y * Shape::RGROUPS + g) * 16 + frag_row(l, i);
+            h[(size_t)(ex.begin + t) * I + row] = __float2bfloat16_rn(silu * up);
         }
         __syncthreads();
     }
 }
 
-// GEMM 2: y[pair, r] = h[pos] · down_r for rows r0 .. r0 + 31 of the expert's down projection.
-template <class Layout, int NT, int UNROLL>
+// GEMM 2: y[pair, r] = h[pos] · down_r; a row group covers 32 rows (two m16 tiles).
+// Grid: (active experts, ceil(H / (32 RGROUPS))).
+template <class Layout, int NT, int KSPLIT, int STAGES>
 __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,
                      const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int* __restrict__ sorted_pairs,
                      const ExpertSlice& ex, float* __restrict__ y) {
-    __shared__ Partials<NT> part;
-    const int lane = threadIdx.x & 31, r0 = blockIdx.y * 32;
-    GemmArgs args{w2, w2_scale, I, {ex.expert * H + r0, ex.expert * H + r0 + 16}};
+    typedef BlockShape<2, NT, KSPLIT, STAGES> Shape;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x & 31, rg = (threadIdx.x >> 5) / KSPLIT;
+    const int r0 = (blockIdx.y * Shape::RGROUPS + rg) * 32;
+    const GemmArgs<2> args{w2, w2_scale, I, {ex.expert * H + r0, ex.expert * H + r0 + 16}};
     for (int t0 = 0; t0 < ex.count; t0 += NT * 8) {
         const __nv_bfloat16* act[NT];
 #pragma unroll
@@ -380,64 +481,80 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
             const int t = t0 + n * 8 + (lane >> 2);
             act[n] = t < ex.count ? h + (size_t)(ex.begin + t) * I : nullptr;
         }
-        float acc[MT][NT][4];
-        warp_gemm<Layout, NT, UNROLL>(acc, args, act);
-        part.store(acc);
+        Shape::template pass<Layout>(smem, args, act, r0 < H);
         __syncthreads();
-        for (int idx = threadIdx.x; idx < MT * NT * 32 * 4; idx += THREADS) {
-            const int m = idx / (NT * 128), n = (idx / 128) % NT, l = (idx / 4) & 31, i = idx & 3;
+        for (int idx = threadIdx.x; idx < Shape::RGROUPS * Shape::FRAG; idx += THREADS) {
+            const int g = idx / Shape::FRAG, e = idx % Shape::FRAG;
+            const int m = e / (NT * 128), n = (e / 128) % NT, l = (e / 4) & 31, i = e & 3;
             const int t = t0 + frag_col(n, l, i);
             if (t >= ex.count) continue;
-            const int pair = sorted_pairs[ex.begin + t];
-            y[(size_t)pair * H + r0 + m * 16 + frag_row(l, i)] = part.sum(idx);
+            const int row = (blockIdx.y * Shape::RGROUPS + g) * 32 + m * 16 + frag_row(l, i);
+            if (row >= H) continue;
+            y[(size_t)sorted_pairs[ex.begin + t] * H + row] = Shape::sum(smem, g, e);
         }
         __syncthreads();
     }
 }
 
-// Experts with at most 8 tokens take the narrow kernels (one n8 tile, a deep load pipeline), the others
-// the wide ones (4 n8 tiles per pass), so the common few-token case keeps its registers and occupancy.
-// Both compute every element with the same operations, so which one serves an expert changes no result.
-template <class Layout, int NT, int UNROLL>
+// Launch geometry shared with src/cuda/moe_int4.rs: K slices per block and pipeline depths. The gate/up
+// GEMM (K = H, long) splits K over all 8 warps; the down GEMM (K = I, short) over 2, with 4 row groups.
+constexpr int GATE_UP_KSPLIT = 8;
+constexpr int DOWN_KSPLIT = 2;
+constexpr int NARROW_STAGES = 4;
+constexpr int WIDE_STAGES = 2;
+
+// Experts with at most 8 tokens take the narrow kernels (one n8 tile, a deep pipeline), the others the
+// wide ones (2 n8 tiles per pass), so the common few-token case keeps its registers and occupancy. Both
+// compute every element with the same operations, so which one serves an expert changes no result.
+template <class Layout, int NT, int STAGES>
 __device__ __forceinline__ void gate_up_kernel(const __nv_bfloat16* x, const uint32_t* w13,
                                                const __nv_bfloat16* w13_scale, int H, int I, int k,
                                                const int* active, const int* num_active, const int* offsets,
                                                const int* pairs, __nv_bfloat16* h) {
     ExpertSlice ex;
     if (!block_expert(active, num_active, offsets, ex) || (ex.count > 8) != (NT > 1)) return;
-    gate_up<Layout, NT, UNROLL>(x, w13, w13_scale, H, I, k, pairs, ex, h);
+    gate_up<Layout, NT, GATE_UP_KSPLIT, STAGES>(x, w13, w13_scale, H, I, k, pairs, ex, h);
 }
 
-template <class Layout, int NT, int UNROLL>
+template <class Layout, int NT, int STAGES>
 __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32_t* w2,
                                             const __nv_bfloat16* w2_scale, int H, int I, const int* active,
                                             const int* num_active, const int* offsets, const int* pairs,
                                             float* y) {
     ExpertSlice ex;
     if (!block_expert(active, num_active, offsets, ex) || (ex.count > 8) != (NT > 1)) return;
-    down<Layout, NT, UNROLL>(h, w2, w2_scale, H, I, pairs, ex, y);
+    down<Layout, NT, DOWN_KSPLIT, STAGES>(h, w2, w2_scale, H, I, pairs, ex, y);
 }
 
-#define KDT_MOE_GEMMS(LAYOUT, NT, UNROLL, SUFFIX)                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS) moe_gate_up_##SUFFIX(                                \
+#define KDT_MOE_GEMMS(LAYOUT, NT, STAGES, MIN_BLOCKS, SUFFIX)                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) moe_gate_up_##SUFFIX(                                \
         const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,                                 \
         const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k, const int* __restrict__ active,      \
         const int* __restrict__ num_active, const int* __restrict__ offsets, const int* __restrict__ pairs,    \
         __nv_bfloat16* __restrict__ h) {                                                                       \
-        gate_up_kernel<LAYOUT, NT, UNROLL>(x, w13, w13_scale, H, I, k, active, num_active, offsets, pairs, h); \
+        gate_up_kernel<LAYOUT, NT, STAGES>(x, w13, w13_scale, H, I, k, active, num_active, offsets, pairs, h); \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(THREADS) moe_down_##SUFFIX(                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) moe_down_##SUFFIX(                                   \
         const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,                                  \
         const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int* __restrict__ active,              \
         const int* __restrict__ num_active, const int* __restrict__ offsets, const int* __restrict__ pairs,    \
         float* __restrict__ y) {                                                                               \
-        down_kernel<LAYOUT, NT, UNROLL>(h, w2, w2_scale, H, I, active, num_active, offsets, pairs, y);         \
+        down_kernel<LAYOUT, NT, STAGES>(h, w2, w2_scale, H, I, active, num_active, offsets, pairs, y);         \
     }
 
-KDT_MOE_GEMMS(NativeLayout, 1, 4, native)
-KDT_MOE_GEMMS(NativeLayout, 4, 1, wide_native)
-KDT_MOE_GEMMS(TiledLayout, 1, 4, tiled)
-KDT_MOE_GEMMS(TiledLayout, 4, 1, wide_tiled)
+// Narrow kernels are held to 128 registers so two blocks (16 warps) share an SM; the wide ones keep
+// their two n8 tiles' accumulators in registers at one block per SM.
+KDT_MOE_GEMMS(NativeLayout, 1, NARROW_STAGES, 2, native)
+KDT_MOE_GEMMS(NativeLayout, 2, WIDE_STAGES, 1, wide_native)
+KDT_MOE_GEMMS(TiledLayout, 1, NARROW_STAGES, 2, tiled)
+KDT_MOE_GEMMS(TiledLayout, 2, WIDE_STAGES, 1, wide_tiled)
+
+// Dynamic shared memory of each GEMM kernel, for the launcher (which must match these sizes).
+static_assert(BlockShape<2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::SHARED_BYTES <= 99 * 1024, "narrow gate/up smem");
+static_assert(BlockShape<2, 2, GATE_UP_KSPLIT, WIDE_STAGES>::SHARED_BYTES <= 99 * 1024, "wide gate/up smem");
+static_assert(BlockShape<2, 1, DOWN_KSPLIT, NARROW_STAGES>::SHARED_BYTES <= 99 * 1024, "narrow down smem");
+static_assert(BlockShape<2, 2, DOWN_KSPLIT, WIDE_STAGES>::SHARED_BYTES <= 99 * 1024, "wide down smem");
+static_assert(sizeof(StageTile) == 1152, "StageTile is the tiled layout's chunk image");
 
 // out[t, c] = Σ_slot weight[t, slot] · y[t * k + slot, c], in slot order, multiply and add rounded
 // separately as in the CPU reference. Grid: (ceil(H / 256), T).
@@ -455,23 +572,30 @@ extern "C" __global__ void __launch_bounds__(256)
 // ---------------------------------------------------------------------------------------------------
 // Layout and benchmark helpers.
 
-// Native -> tiled repack of a [rows, cols] matrix (rows a multiple of 16). One thread per (tile, group,
-// lane) word pair; the lanes with lane % 4 == 0 also write the scale pair of row lane / 4.
+// Native -> tiled repack of a [rows, cols] matrix (rows a multiple of 16): for every (16-row tile, chunk
+// of 4 groups) the StageTile image. One thread per (tile, chunk, lane); groups past the end are zeros.
 extern "C" __global__ void int4_tile(const uint32_t* __restrict__ packed, const __nv_bfloat16* __restrict__ scale,
                                      int rows, int cols, uint32_t* __restrict__ packed_tiled,
                                      __nv_bfloat16* __restrict__ scale_tiled) {
-    const int groups = cols / GROUP;
-    const size_t total = (size_t)(rows / 16) * groups * 32;
+    const int groups = cols / GROUP, chunks = (groups + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
+    const size_t total = (size_t)(rows / 16) * chunks * 32;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         const int lane = i % 32, r = lane >> 2, c = lane & 3;
         const size_t tile = i / 32;
-        const int g = tile % groups, row0 = (int)(tile / groups) * 16;
-        const size_t words = cols / 8;
-        packed_tiled[2 * i] = packed[(size_t)(row0 + r) * words + g * 4 + c];
-        packed_tiled[2 * i + 1] = packed[(size_t)(row0 + r + 8) * words + g * 4 + c];
-        if (c == 0) {
-            scale_tiled[(tile * 8 + r) * 2] = scale[(size_t)(row0 + r) * groups + g];
-            scale_tiled[(tile * 8 + r) * 2 + 1] = scale[(size_t)(row0 + r + 8) * groups + g];
+        const int chunk = tile % chunks, row0 = (int)(tile / chunks) * 16;
+        for (int half = 0; half < 2; ++half)
+            for (int j = 0; j < CHUNK_GROUPS; ++j) {
+                const int g = chunk * CHUNK_GROUPS + j;
+                packed_tiled[tile * 256 + half * 128 + lane * 4 + j] =
+                    g < groups ? packed[(size_t)(row0 + r + 8 * half) * groups * 4 + g * 4 + c] : 0u;
+            }
+        if (lane < 16) {
+            const int row = lane & 7, half = lane >> 3;
+            for (int j = 0; j < CHUNK_GROUPS; ++j) {
+                const int g = chunk * CHUNK_GROUPS + j;
+                scale_tiled[tile * 64 + row * 8 + half * 4 + j] =
+                    g < groups ? scale[(size_t)(row0 + row + 8 * half) * groups + g] : __float2bfloat16_rn(0.0f);
+            }
         }
     }
 }

@@ -21,12 +21,15 @@ for line in sys.stdin:
 }
 cargo test --release --features "$features" --no-run --message-format=json | copy_executables gpu-pack/tests test
 cargo bench --features "$features" --no-run --message-format=json | copy_executables gpu-pack/benches bench
-# The MoE tests once more under the other INT4 layout: both layouts must pass the same fixtures.
+# The MoE tests and bench once more under the other INT4 layout: both must pass the same fixtures.
 mkdir -p gpu-pack/tiled
 cargo test --release --no-default-features --features "$features,int4-tiled" --no-run --test moe_int4 \
     --message-format=json |
     copy_executables gpu-pack/tiled test
-mv gpu-pack/tiled/moe_int4 gpu-pack/tests/moe_int4_tiled && rmdir gpu-pack/tiled
+mv gpu-pack/tiled/moe_int4 gpu-pack/tests/moe_int4_tiled
+cargo bench --no-default-features --features "$features,int4-tiled" --no-run --bench moe_int4 \
+    --message-format=json | copy_executables gpu-pack/tiled bench
+mv gpu-pack/tiled/moe_int4 gpu-pack/benches/moe_int4_tiled && rmdir gpu-pack/tiled
 cargo build --release --features "$features" --example build_tree
 cp target/release/examples/build_tree gpu-pack/examples/
 strip gpu-pack/tests/* gpu-pack/benches/* gpu-pack/examples/*

@@ -60,10 +60,12 @@ run_profile() {
 
 run_profile_moe() {
     local sections="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats"
-    ncu --clock-control none --kernel-name regex:'moe_(gate_up|down)' --launch-count 2 $sections \
-        gpu-pack/benches/moe_int4 --bench 'moe_int4/gpu_experts/t1$' --warm-up-time 0.05 --measurement-time 0.05 \
-        >"$logs/ncu-moe_int4.log" 2>&1
-    note "ncu moe_int4: exit $?"
+    for b in moe_int4 moe_int4_tiled; do
+        ncu --clock-control none --kernel-name regex:'moe_(gate_up|down)' --launch-count 2 $sections \
+            gpu-pack/benches/$b --bench "$b/gpu_experts/t1\$" --warm-up-time 0.05 --measurement-time 0.05 \
+            >"$logs/ncu-$b.log" 2>&1
+        note "ncu $b: exit $?"
+    done
 }
 
 run_bench() {

@@ -86,34 +86,48 @@ pub fn quantize(w: &[bf16], rows: usize, cols: usize) -> Result<Int4Owned> {
 
 /// Rows per tile of the `int4-tiled` layout (one MMA m16 tile).
 pub const TILE_ROWS: usize = 16;
+/// Groups per chunk of the `int4-tiled` layout (128 inputs).
+pub const CHUNK_GROUPS: usize = 4;
 
-/// Repacks a `pack-quantized` matrix into the `int4-tiled` order the CUDA kernels read with one
-/// coalesced load per warp (reference/README.md, "INT4 tiled layout"). For tile `t` (rows `16t ..
-/// 16t+15`), group `g` and lane `l` (`r = l / 4`, `c = l % 4`), `packed[((t * G + g) * 32 + l) * 2 + h]`
-/// is packed word `c` of group `g` of row `16t + r + 8h`; `scale[((t * G + g) * 8 + i) * 2 + h]` is the
-/// scale of row `16t + i + 8h`, group `g`. `G = cols / 32`; rows must be a multiple of 16.
+/// Lengths `(packed words, scales)` of a `[rows, cols]` matrix in the `int4-tiled` layout: the groups are
+/// padded to whole chunks of 4.
+pub fn tiled_len(rows: usize, cols: usize) -> (usize, usize) {
+    let chunks = (cols / GROUP).div_ceil(CHUNK_GROUPS);
+    let tiles = rows / TILE_ROWS * chunks;
+    (tiles * 256, tiles * 64)
+}
+
+/// Repacks a `pack-quantized` matrix into the `int4-tiled` order, in which each (16-row tile, chunk of 4
+/// groups) is one contiguous image of what a warp stages in shared memory (reference/README.md, "INT4
+/// tiled layout"). Rows must be a multiple of 16; groups past the last are zeros.
+///
+/// With `G = cols / 32` and `C = ceil(G / 4)`, for tile `t` (rows `16t ..`), chunk `q`, lane `l` (`r = l /
+/// 4`, `c = l % 4`), half `h` and group `j` of the chunk, `packed[(t*C + q)*256 + h*128 + l*4 + j]` is packed
+/// word `c` of group `4q + j` of row `16t + r + 8h`, and `scale[(t*C + q)*64 + i*8 + h*4 + j]` is the scale
+/// of row `16t + i + 8h`, group `4q + j`.
 pub fn tile(m: &Int4Matrix) -> Result<Int4Owned> {
     check_tileable(m.rows)?;
     m.check("packed")?;
-    let groups = m.cols / GROUP;
-    let mut out = Int4Owned { packed: vec![0; m.packed.len()], scale: vec![bf16::ZERO; m.scale.len()] };
-    for_each_tiled_slot(m.rows, groups, |tiled, row, g, word| {
-        out.packed[tiled] = m.packed[row * groups * 4 + g * 4 + word];
-    });
-    for_each_tiled_scale(m.rows, groups, |tiled, row, g| out.scale[tiled] = m.scale[row * groups + g]);
+    let (words, scales) = tiled_len(m.rows, m.cols);
+    let mut out = Int4Owned { packed: vec![0; words], scale: vec![bf16::ZERO; scales] };
+    for_each_tiled_word(m.rows, m.cols / GROUP, |tiled, native| out.packed[tiled] = m.packed[native]);
+    for_each_tiled_scale(m.rows, m.cols / GROUP, |tiled, native| out.scale[tiled] = m.scale[native]);
     Ok(out)
 }
 
-/// Inverse of [`tile`]: back to the checkpoint's `pack-quantized` order.
-pub fn untile(tiled: &Int4Matrix) -> Result<Int4Owned> {
-    check_tileable(tiled.rows)?;
-    tiled.check("packed")?;
-    let groups = tiled.cols / GROUP;
-    let mut out = Int4Owned { packed: vec![0; tiled.packed.len()], scale: vec![bf16::ZERO; tiled.scale.len()] };
-    for_each_tiled_slot(tiled.rows, groups, |t, row, g, word| {
-        out.packed[row * groups * 4 + g * 4 + word] = tiled.packed[t]
-    });
-    for_each_tiled_scale(tiled.rows, groups, |t, row, g| out.scale[row * groups + g] = tiled.scale[t]);
+/// Inverse of [`tile`]: `packed` and `scale` in the tiled order of a `[rows, cols]` matrix, back to the
+/// checkpoint's `pack-quantized` order.
+pub fn untile(packed: &[i32], scale: &[bf16], rows: usize, cols: usize) -> Result<Int4Owned> {
+    check_tileable(rows)?;
+    if cols == 0 || !cols.is_multiple_of(GROUP) {
+        return Err(Error::param("cols", cols, format!("must be a positive multiple of {GROUP}")));
+    }
+    let (words, scales) = tiled_len(rows, cols);
+    check_len("packed (tiled)", packed.len(), &[("words", words)])?;
+    check_len("scale (tiled)", scale.len(), &[("scales", scales)])?;
+    let mut out = Int4Owned { packed: vec![0; rows * cols / PACK], scale: vec![bf16::ZERO; rows * cols / GROUP] };
+    for_each_tiled_word(rows, cols / GROUP, |tiled, native| out.packed[native] = packed[tiled]);
+    for_each_tiled_scale(rows, cols / GROUP, |tiled, native| out.scale[native] = scale[tiled]);
     Ok(out)
 }
 
@@ -124,31 +138,41 @@ fn check_tileable(rows: usize) -> Result<()> {
     Err(Error::param("rows", rows, format!("the tiled INT4 layout needs a multiple of {TILE_ROWS} rows")))
 }
 
-/// Calls `f(tiled index, row, group, word in group)` for every packed word of the tiled layout.
-fn for_each_tiled_slot(rows: usize, groups: usize, mut f: impl FnMut(usize, usize, usize, usize)) {
+/// Calls `f(tiled index, native index)` for every packed word of a real group.
+fn for_each_tiled_word(rows: usize, groups: usize, mut f: impl FnMut(usize, usize)) {
+    let chunks = groups.div_ceil(CHUNK_GROUPS);
     for t in 0..rows / TILE_ROWS {
-        for g in 0..groups {
-            for lane in 0..32 {
-                for half in 0..2 {
-                    let row = t * TILE_ROWS + lane / 4 + 8 * half;
-                    f(((t * groups + g) * 32 + lane) * 2 + half, row, g, lane % 4);
+        for q in 0..chunks {
+            for (h, lane, j) in index_triples(2, 32, CHUNK_GROUPS) {
+                let g = q * CHUNK_GROUPS + j;
+                if g < groups {
+                    let row = t * TILE_ROWS + lane / 4 + 8 * h;
+                    f((t * chunks + q) * 256 + h * 128 + lane * 4 + j, row * groups * 4 + g * 4 + lane % 4);
                 }
             }
         }
     }
 }
 
-/// Calls `f(tiled index, row, group)` for every scale of the tiled layout.
-fn for_each_tiled_scale(rows: usize, groups: usize, mut f: impl FnMut(usize, usize, usize)) {
+/// Calls `f(tiled index, native index)` for every scale of a real group.
+fn for_each_tiled_scale(rows: usize, groups: usize, mut f: impl FnMut(usize, usize)) {
+    let chunks = groups.div_ceil(CHUNK_GROUPS);
     for t in 0..rows / TILE_ROWS {
-        for g in 0..groups {
-            for i in 0..8 {
-                for half in 0..2 {
-                    f(((t * groups + g) * 8 + i) * 2 + half, t * TILE_ROWS + i + 8 * half, g);
+        for q in 0..chunks {
+            for (i, h, j) in index_triples(8, 2, CHUNK_GROUPS) {
+                let g = q * CHUNK_GROUPS + j;
+                if g < groups {
+                    let row = t * TILE_ROWS + i + 8 * h;
+                    f((t * chunks + q) * 64 + i * 8 + h * 4 + j, row * groups + g);
                 }
             }
         }
     }
+}
+
+/// Every `(a, b, c)` with `a < na`, `b < nb`, `c < nc`, in row-major order.
+fn index_triples(na: usize, nb: usize, nc: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..na).flat_map(move |a| (0..nb).flat_map(move |b| (0..nc).map(move |c| (a, b, c))))
 }
 
 /// Routing of a batch: chosen experts best first, their weights, and the pairs grouped by expert.

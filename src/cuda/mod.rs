@@ -140,10 +140,16 @@ impl Kernels {
             (_, moe_int4::Int4Layout::Native) => ["moe_down_native", "moe_down_wide_native"],
             (_, moe_int4::Int4Layout::Tiled) => ["moe_down_tiled", "moe_down_wide_tiled"],
         };
-        let load = |name: &'static str| {
-            module.load_function(name).map(|f| (name, f)).map_err(|e| cuda_err("load_function", e))
+        let load = |name: &'static str, wide: bool| -> Result<(&'static str, CudaFunction)> {
+            let f = module.load_function(name).map_err(|e| cuda_err("load_function", e))?;
+            f.set_attribute(
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                moe_int4::gemm_shared_bytes(wide) as i32,
+            )
+            .map_err(|e| cuda_err("INT4 GEMM shared memory attribute", e))?;
+            Ok((name, f))
         };
-        Ok([load(names[0])?, load(names[1])?])
+        Ok([load(names[0], false)?, load(names[1], true)?])
     }
 
     fn moe_gate_up(&self, wide: bool) -> (&'static str, &CudaFunction) {

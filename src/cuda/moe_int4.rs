@@ -11,7 +11,7 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelA
 use half::bf16;
 
 use super::{cuda_err, to_i32, Gpu};
-use crate::cpu::moe_int4::{Experts, Routing, GROUP, PACK, TILE_ROWS};
+use crate::cpu::moe_int4::{tiled_len, Experts, Routing, GROUP, PACK, TILE_ROWS};
 use crate::error::{check_len, Error, Result};
 
 /// The most experts the routing kernel handles (one CTA; Kimi-K2 has 384, DeepSeek-V3 256).
@@ -20,9 +20,23 @@ pub const MAX_EXPERTS: usize = 1024;
 pub const MAX_TOP_K: usize = 32;
 
 const GEMM_THREADS: u32 = 256;
+/// K slices per block of each GEMM (kernels/moe_int4.cu): the gate/up GEMM splits K = H over all 8 warps,
+/// the down GEMM splits K = I over 2 and stacks 4 row groups of 32 rows.
+const GATE_UP_ROWS_PER_BLOCK: usize = 16;
+const DOWN_ROWS_PER_BLOCK: usize = 128;
+/// Bytes of one staged (16-row tile, chunk) in shared memory.
+const STAGE_TILE_BYTES: usize = 1152;
+const WARPS: usize = 8;
 const ROUTE_THREADS: u32 = 512;
 /// Tokens per expert served by the narrow GEMM kernels (one n8 MMA tile); more go to the wide ones.
 const NARROW_TOKENS: usize = 8;
+
+/// Dynamic shared memory of a GEMM kernel: each warp's ring of stages (2 m16 tiles per stage) and the
+/// warps' partial sums (2 m16 tiles x n8 tiles x 128 floats). Must match BlockShape in the kernel.
+pub(crate) const fn gemm_shared_bytes(wide: bool) -> usize {
+    let (stages, n_tiles) = if wide { (2, 2) } else { (4, 1) };
+    WARPS * stages * 2 * STAGE_TILE_BYTES + WARPS * 2 * n_tiles * 128 * 4
+}
 const STATUS_BAD_LOGIT: i32 = 1;
 const STATUS_BAD_EXPERT: i32 = 2;
 
@@ -94,6 +108,8 @@ impl DeviceInt4 {
             ));
         }
         check_len("packed", packed.len(), &[("rows", rows), ("cols/8", cols / PACK)])?;
+        // The kernels address packed words with 32-bit offsets.
+        to_i32("packed words", packed.len())?;
         check_len("scale", scale.len(), &[("rows", rows), ("cols/32", cols / GROUP)])?;
         let native = DeviceInt4 { packed, scale, rows, cols };
         match LAYOUT {
@@ -103,16 +119,14 @@ impl DeviceInt4 {
     }
 
     fn tiled(&self, gpu: &Gpu) -> Result<Self> {
-        let mut out = DeviceInt4 {
-            packed: gpu.zeros(self.packed.len())?,
-            scale: gpu.zeros(self.scale.len())?,
-            rows: self.rows,
-            cols: self.cols,
-        };
+        let (words, scales) = tiled_len(self.rows, self.cols);
+        let mut out =
+            DeviceInt4 { packed: gpu.zeros(words)?, scale: gpu.zeros(scales)?, rows: self.rows, cols: self.cols };
         let (rows, cols) = (to_i32("rows", self.rows)?, to_i32("cols", self.cols)?);
         let mut b = gpu.stream().launch_builder(&gpu.kernels.int4_tile);
         b.arg(&self.packed).arg(&self.scale).arg(&rows).arg(&cols).arg(&mut out.packed).arg(&mut out.scale);
-        unsafe { b.launch(grid_stride_config(self.packed.len() / 2)) }.map_err(|e| cuda_err("int4_tile", e))?;
+        // One thread per (tile, chunk, lane).
+        unsafe { b.launch(grid_stride_config(words / 8)) }.map_err(|e| cuda_err("int4_tile", e))?;
         gpu.after_launch("int4_tile")?;
         Ok(out)
     }
@@ -384,9 +398,9 @@ impl MoePlan {
         let (name, f) = gpu.kernels.moe_gate_up(wide);
         let (h, i, k) = (self.shape.hidden as i32, self.shape.inter as i32, self.k as i32);
         let cfg = LaunchConfig {
-            grid_dim: (blocks, (self.shape.inter / 16) as u32, 1),
+            grid_dim: (blocks, (self.shape.inter / GATE_UP_ROWS_PER_BLOCK) as u32, 1),
             block_dim: (GEMM_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: gemm_shared_bytes(wide) as u32,
         };
         let mut b = gpu.stream().launch_builder(f);
         b.arg(x).arg(&experts.w13.packed).arg(&experts.w13.scale).arg(&h).arg(&i).arg(&k);
@@ -400,9 +414,9 @@ impl MoePlan {
         let (name, f) = gpu.kernels.moe_down(wide);
         let (h, i) = (self.shape.hidden as i32, self.shape.inter as i32);
         let cfg = LaunchConfig {
-            grid_dim: (blocks, (self.shape.hidden / 32) as u32, 1),
+            grid_dim: (blocks, self.shape.hidden.div_ceil(DOWN_ROWS_PER_BLOCK) as u32, 1),
             block_dim: (GEMM_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: gemm_shared_bytes(wide) as u32,
         };
         let mut b = gpu.stream().launch_builder(f);
         b.arg(&self.h).arg(&experts.w2.packed).arg(&experts.w2.scale).arg(&h).arg(&i);
