@@ -277,39 +277,34 @@ __device__ __forceinline__ uint4 load_act(const __nv_bfloat16* act, int g, int g
     return act && g < groups ? __ldg(reinterpret_cast<const uint4*>(act + g * GROUP + 8 * c)) : make_uint4(0, 0, 0, 0);
 }
 
-// Multiplies one staged chunk (groups g0 .. g0 + 3) of MT m16 tiles with NT n8 tiles. With one n8 tile
-// the activations come prefetched in `xp`; with more they are loaded here, one group at a time, so they
-// do not all occupy registers at once.
+// Multiplies one staged chunk (groups g0 .. g0 + 3) of MT m16 tiles with NT n8 tiles. The activations
+// (L2-resident: every block of the expert reads them) load one group at a time, so few are live at once;
+// the other warps of the SM cover their latency.
 template <int MT, int NT>
 __device__ __forceinline__ void chunk_mma(float (&acc)[MT][NT][4], const StageTile* tiles,
-                                          const uint4 (&xp)[CHUNK_GROUPS], const __nv_bfloat16* const (&act)[NT],
-                                          int g0, int groups) {
+                                          const __nv_bfloat16* const (&act)[NT], int g0, int groups) {
     const int lane = threadIdx.x & 31;
-    uint32_t lo[MT][CHUNK_GROUPS], hi[MT][CHUNK_GROUPS];
-    float s_lo[MT][CHUNK_GROUPS], s_hi[MT][CHUNK_GROUPS];
+    uint4 lo[MT], hi[MT], sv[MT];  // words of rows r and r + 8; scales (bf16) of both rows
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-        const uint4 w0 = tiles[m].word[0][lane], w1 = tiles[m].word[1][lane];
-        const uint4 sv = *reinterpret_cast<const uint4*>(&tiles[m].scale[lane >> 2][0][0]);
-        const __nv_bfloat16* sc = reinterpret_cast<const __nv_bfloat16*>(&sv);
-        const uint32_t l4[4] = {w0.x, w0.y, w0.z, w0.w}, h4[4] = {w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-        for (int j = 0; j < CHUNK_GROUPS; ++j) {
-            lo[m][j] = l4[j];
-            hi[m][j] = h4[j];
-            s_lo[m][j] = __bfloat162float(sc[j]);
-            s_hi[m][j] = __bfloat162float(sc[4 + j]);
-        }
+        lo[m] = tiles[m].word[0][lane];
+        hi[m] = tiles[m].word[1][lane];
+        sv[m] = *reinterpret_cast<const uint4*>(&tiles[m].scale[lane >> 2][0][0]);
     }
 #pragma unroll
     for (int j = 0; j < CHUNK_GROUPS; ++j) {
         uint4 x[NT];
 #pragma unroll
-        for (int n = 0; n < NT; ++n) x[n] = NT == 1 ? xp[j] : load_act(act[n], g0 + j, groups);
+        for (int n = 0; n < NT; ++n) x[n] = load_act(act[n], g0 + j, groups);
 #pragma unroll
-        for (int m = 0; m < MT; ++m)
+        for (int m = 0; m < MT; ++m) {
+            const __nv_bfloat16* sc = reinterpret_cast<const __nv_bfloat16*>(&sv[m]);
+            const uint32_t w0 = reinterpret_cast<const uint32_t*>(&lo[m])[j];
+            const uint32_t w1 = reinterpret_cast<const uint32_t*>(&hi[m])[j];
 #pragma unroll
-            for (int n = 0; n < NT; ++n) group_mma(acc[m][n], lo[m][j], hi[m][j], s_lo[m][j], s_hi[m][j], x[n]);
+            for (int n = 0; n < NT; ++n)
+                group_mma(acc[m][n], w0, w1, __bfloat162float(sc[j]), __bfloat162float(sc[4 + j]), x[n]);
+        }
     }
 }
 
@@ -346,23 +341,12 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     };
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) issue(c_begin + s);
-    // One n8 tile: the activations of the next chunk load while this one computes (more n8 tiles load
-    // theirs inside chunk_mma).
-    uint4 x[CHUNK_GROUPS];
-#pragma unroll
-    for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = NT == 1 ? load_act(act[0], c_begin * CHUNK_GROUPS + j, groups) : uint4{};
     for (int chunk = c_begin; chunk < c_end; ++chunk) {
         issue(chunk + STAGES - 1);
-        uint4 x_next[CHUNK_GROUPS];
-#pragma unroll
-        for (int j = 0; j < CHUNK_GROUPS; ++j)
-            x_next[j] = NT == 1 && chunk + 1 < c_end ? load_act(act[0], (chunk + 1) * CHUNK_GROUPS + j, groups) : uint4{};
         cp_async_wait<STAGES - 1>();
         __syncwarp();
-        chunk_mma<MT, NT>(acc, ring + ((chunk - c_begin) % STAGES) * MT, x, act, chunk * CHUNK_GROUPS, groups);
+        chunk_mma<MT, NT>(acc, ring + ((chunk - c_begin) % STAGES) * MT, act, chunk * CHUNK_GROUPS, groups);
         __syncwarp();  // every lane is done with the stage before it is refilled
-#pragma unroll
-        for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = x_next[j];
     }
     cp_async_wait<0>();
 }
@@ -500,7 +484,7 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
 // GEMM (K = H, long) splits K over all 8 warps; the down GEMM (K = I, short) over 2, with 4 row groups.
 constexpr int GATE_UP_KSPLIT = 8;
 constexpr int DOWN_KSPLIT = 2;
-constexpr int NARROW_STAGES = 4;
+constexpr int NARROW_STAGES = 3;
 constexpr int WIDE_STAGES = 2;
 
 // Experts with at most 8 tokens take the narrow kernels (one n8 tile, a deep pipeline), the others the
@@ -544,9 +528,9 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
 
 // Narrow kernels are held to 128 registers so two blocks (16 warps) share an SM; the wide ones keep
 // their two n8 tiles' accumulators in registers at one block per SM.
-KDT_MOE_GEMMS(NativeLayout, 1, NARROW_STAGES, 2, native)
+KDT_MOE_GEMMS(NativeLayout, 1, NARROW_STAGES, 3, native)
 KDT_MOE_GEMMS(NativeLayout, 2, WIDE_STAGES, 1, wide_native)
-KDT_MOE_GEMMS(TiledLayout, 1, NARROW_STAGES, 2, tiled)
+KDT_MOE_GEMMS(TiledLayout, 1, NARROW_STAGES, 3, tiled)
 KDT_MOE_GEMMS(TiledLayout, 2, WIDE_STAGES, 1, wide_tiled)
 
 // Dynamic shared memory of each GEMM kernel, for the launcher (which must match these sizes).
