@@ -509,15 +509,25 @@ extern "C" __global__ void __launch_bounds__(128)
             gacc = reinterpret_cast<const float4*>(part_o + idx * LATENT)[threadIdx.x];
             c = min(g1, pre);
         }
-        for (; c < g1; ++c) {
-            const long long idx = r * max_chunks + c;
-            const float4 oc = reinterpret_cast<const float4*>(part_o + idx * LATENT)[threadIdx.x];
+        // The group's partials are loaded before folding, so their loads are in flight together.
+        float4 oc[FOLD];
+        float2 ml[FOLD];
+#pragma unroll
+        for (int k = 0; k < FOLD; ++k) {
+            if (c + k >= g1) break;
+            const long long idx = r * max_chunks + c + k;
+            oc[k] = reinterpret_cast<const float4*>(part_o + idx * LATENT)[threadIdx.x];
+            ml[k] = reinterpret_cast<const float2*>(part_ml)[idx];
+        }
+#pragma unroll
+        for (int k = 0; k < FOLD; ++k) {
+            if (c + k >= g1) break;
             float a, b;
-            fold_ml(gm, gl, part_ml[2 * idx], part_ml[2 * idx + 1], a, b);
-            gacc.x = fold_o(gacc.x, a, oc.x, b);
-            gacc.y = fold_o(gacc.y, a, oc.y, b);
-            gacc.z = fold_o(gacc.z, a, oc.z, b);
-            gacc.w = fold_o(gacc.w, a, oc.w, b);
+            fold_ml(gm, gl, ml[k].x, ml[k].y, a, b);
+            gacc.x = fold_o(gacc.x, a, oc[k].x, b);
+            gacc.y = fold_o(gacc.y, a, oc[k].y, b);
+            gacc.z = fold_o(gacc.z, a, oc[k].z, b);
+            gacc.w = fold_o(gacc.w, a, oc[k].w, b);
         }
         float a, b;
         fold_ml(m, l, gm, gl, a, b);
