@@ -130,6 +130,8 @@ mod gpu_rows {
         o: cudarc::driver::CudaSlice<f32>,
         lse: cudarc::driver::CudaSlice<f32>,
         plan: MlaPlan,
+        /// The bound the runs pass: the plan's, which is the shape's longest visible sequence.
+        max_seq_len: usize,
     }
 
     impl Shape {
@@ -147,6 +149,7 @@ mod gpu_rows {
                 o: gpu.zeros(rows * 512).unwrap(),
                 lse: gpu.zeros(rows).unwrap(),
                 plan: MlaPlan::new(gpu, bs, heads, prefix + extra, n).unwrap(),
+                max_seq_len: prefix + extra,
             }
         }
 
@@ -155,7 +158,7 @@ mod gpu_rows {
                 DeviceCache { rows: self.rows.as_view(), layout: self.layout, block_table: self.table.as_view() };
             let mut out = DeviceMlaOutput { o: self.o.as_view_mut(), lse: self.lse.as_view_mut() };
             let (q, seq) = (self.q.as_view(), self.seq.as_view());
-            self.plan.run_decode(gpu, &q, &cache, &seq, SCALE, &mut out).unwrap();
+            self.plan.run_decode(gpu, &q, &cache, &seq, self.max_seq_len, SCALE, &mut out).unwrap();
         }
 
         fn tree(&mut self, gpu: &Gpu, vis: &cudarc::driver::CudaSlice<u32>, n: usize) {
@@ -163,7 +166,7 @@ mod gpu_rows {
                 DeviceCache { rows: self.rows.as_view(), layout: self.layout, block_table: self.table.as_view() };
             let mut out = DeviceMlaOutput { o: self.o.as_view_mut(), lse: self.lse.as_view_mut() };
             let (q, seq, v) = (self.q.as_view(), self.seq.as_view(), vis.as_view());
-            self.plan.run_tree_verify(gpu, &q, n, &cache, &seq, &v, SCALE, &mut out).unwrap();
+            self.plan.run_tree_verify(gpu, &q, n, &cache, &seq, self.max_seq_len, &v, SCALE, &mut out).unwrap();
         }
     }
 

@@ -1,20 +1,32 @@
 // MLA absorbed attention over a paged latent cache (DESIGN.md §4.3; exact contract in reference/README.md):
 // mla_decode and tree_verify.
 //
-// Every (request, query row, head) walks its logical sequence of visible cache rows in chunks of SPLIT
-// rows. mla_chunk computes one chunk for a tile of 16 query rows that share the chunk's key list and
-// writes the chunk's (max, sum, unnormalized output) to scratch; mla_combine folds a row's chunks in
-// chunk order. mla_chunk has three modes that differ only in which rows and chunks a CTA takes:
-//   decode: the H heads of one request, any chunk of its prefix;
+// Decomposition. Every (request, query row, head) walks its logical sequence of visible cache rows in
+// chunks of SPLIT rows; consecutive chunks form fold groups of FOLD. A row's result is a fixed two-level
+// fold: each group's chunk results (max, sum, unnormalized output) folded in chunk order from the
+// initial state, then the group states folded in group order (fold_ml / fold_o), then normalized.
+//   mla_chunk computes chunks for a tile of 16 query rows that share the chunk's key list, and either
+//   writes each chunk's result to its scratch slot or (`fold`) computes a whole group's chunks in
+//   order and writes only the group state, folded with the same fold_ml / fold_o, to the group's
+//   first slot. Its three modes differ only in which rows and chunks a CTA takes:
+//   decode: the H heads of one request, any chunk (or fold group) of its sequence;
 //   prefix: all N*H rows of a tree request, the chunks lying wholly inside the prefix (read once per
 //           request: the request's m-tiles are the fastest grid dimension, so they run side by side and
 //           share the chunk through L2);
-//   tail:   the H heads of one tree row, the chunks holding tree rows, over that row's own key list
-//           (the prefix tail, then its visible tree rows in increasing row order).
-// All three run the same process_chunk, whose per-row arithmetic does not depend on the other rows of
-// the tile (mma computes each output element from its own row) nor on where the keys come from (a key
-// sits at the same position of the chunk in every mode). So a tree row gives the bits of a decode over
-// its compacted sequence, and a request gives the same bits alone or in any batch.
+//   tail:   the H heads of one tree row, the chunks holding tree rows (never folded), over that row's
+//           own key list (the prefix tail, then its visible tree rows in increasing row order).
+//   mla_combine does the rest of the fold per row: a group's state starts from the folded slot where
+//   mla_chunk folded its leading chunks (every chunk of a folded decode, the full prefix chunks of a
+//   folded tree prefix), else from the initial state, and continues over the per-chunk slots.
+// Continuing a left fold from a stored state gives the bits of doing it in one place, so whether a
+// launch folds (a host choice by launch size) never changes the bits. All modes run the same
+// process_chunk, whose per-row arithmetic does not depend on the other rows of the tile (mma computes
+// each output element from its own row) nor on where the keys come from (a key sits at the same
+// position of the chunk in every mode). So a tree row gives the bits of a decode over its compacted
+// sequence, and a request gives the same bits alone or in any batch.
+//
+// Grids are sized from the run's max_seq_len (a host-known bound on every row's sequence), not the
+// plan's; a row past it is flagged (STATUS_TOO_LONG) and gets o = 0, lse = -inf.
 //
 // Inside a chunk, keys go through shared memory in sub-tiles of 16 (cp.async, 4 stages) with an online
 // softmax in base 2. S = Q.K^T uses mma.m16n8k16 bf16 with Q in registers: the 576 dims are cut into
@@ -39,13 +51,15 @@ constexpr int QUARTER_STEPS = QUARTER / 16;
 constexpr int PIECES = ROW * 2 / 16; // 16-byte cp.async pieces per row
 constexpr int WARP_DIMS = LATENT / (THREADS / 32);  // output dims per warp in P.V
 
+constexpr int FOLD = 4;              // chunks per fold group (see the top of the file)
+
 constexpr int MODE_DECODE = 0;
 constexpr int MODE_PREFIX = 1;
 constexpr int MODE_TAIL = 2;
 
 // Status bits (mirrored in src/cuda/mla.rs).
 constexpr int STATUS_BAD_PAGE = 1;  // a slot maps past the block table or to a page id out of range
-constexpr int STATUS_TOO_LONG = 2;  // a row's sequence has more chunks than the plan's scratch
+constexpr int STATUS_TOO_LONG = 2;  // a row's sequence is longer than the run's max_seq_len (or the plan's scratch)
 
 constexpr float LN2 = 0.693147180559945309f;
 constexpr float LOG2E = 1.44269504088896341f;
@@ -60,10 +74,12 @@ struct Smem {
     __nv_bfloat16 p_hi[BM][P_STRIDE];         // P rounded to bf16 ...
     __nv_bfloat16 p_lo[BM][P_STRIDE];         // ... and the bf16 rounding of the remainder
     float alpha[BM];                          // per row: rescale of the running output
+    float fold_a[BM];                         // per row: fold factors of the group state ...
+    float fold_b[BM];                         // ... and of the chunk just computed
     long long key_off[SPLIT];                 // element offset of each key row of the chunk in the cache
 };
 
-static_assert(sizeof(Smem) == 82496, "mirrored by CHUNK_SHARED_BYTES in src/cuda/mla.rs");
+static_assert(sizeof(Smem) == 82624, "mirrored by CHUNK_SHARED_BYTES in src/cuda/mla.rs");
 
 // What one CTA computes: query rows [row0, row1) over chunk `chunk` of a sequence of `len` rows whose
 // first `prefix` are slots 0..prefix and whose rest are the tree rows set in `vis` (nullptr: none).
@@ -86,6 +102,20 @@ __device__ __forceinline__ float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+
+// One step of the chunk-order fold: merges a chunk's (mc, lc) into the state (m, l) and returns the
+// factors that rescale the state's output (a) and the chunk's output (b). mla_chunk (fold groups) and
+// mla_combine both fold through these two functions, so the same inputs give the same bits in both.
+__device__ __forceinline__ void fold_ml(float& m, float& l, float mc, float lc, float& a, float& b) {
+    const float m_new = fmaxf(m, mc);
+    a = ex2(__fsub_rn(m, m_new));
+    b = ex2(__fsub_rn(mc, m_new));
+    l = __fadd_rn(__fmul_rn(l, a), __fmul_rn(lc, b));
+    m = m_new;
+}
+__device__ __forceinline__ float fold_o(float acc, float a, float oc, float b) {
+    return __fadd_rn(__fmul_rn(acc, a), __fmul_rn(oc, b));
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -269,7 +299,7 @@ __device__ __forceinline__ void accumulate_pv(Smem& s, int stage, float (&o)[8][
     }
 }
 
-// Writes the chunk's partial results of the tile's valid rows: output, then (max, sum).
+// Writes the chunk's partial results of the tile's valid rows to slot t.chunk: output, then (max, sum).
 __device__ __forceinline__ void store_partial(const Task& t, const float (&o)[8][4], const RowState& st, int warp,
                                               int lane, int max_chunks, float* part_o, float* part_ml) {
     const int g = lane >> 2;
@@ -290,10 +320,42 @@ __device__ __forceinline__ void store_partial(const Task& t, const float (&o)[8]
     }
 }
 
-// The one routine that processes a chunk for a tile of query rows sharing its key list.
+// Folds the chunk just computed (o, st) into the group state of the tile's valid rows kept in slot
+// `slot` (output in part_o, (max, sum) in `group`, replicated like RowState); `first`: the state is
+// the initial one (-inf, 0, 0), which is not read. Each thread reads back only the elements it wrote.
+__device__ __forceinline__ void fold_partial(Smem& s, const Task& t, const float (&o)[8][4], const RowState& st,
+                                             RowState& group, bool first, int slot, int warp, int lane,
+                                             int max_chunks, float* part_o) {
+    float a, b;
+    fold_ml(group.m, group.l, st.m, st.l, a, b);
+    if ((threadIdx.x & 15) == 0) {
+        s.fold_a[threadIdx.x >> 4] = a;
+        s.fold_b[threadIdx.x >> 4] = b;
+    }
+    __syncthreads();  // fold factors visible; every thread is also done with the chunk's shared memory
+    const int g = lane >> 2;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = t.row0 + g + 8 * half;
+        if (r >= t.row1) continue;
+        const float fa = s.fold_a[g + 8 * half], fb = s.fold_b[g + 8 * half];
+        float* dst = part_o + ((long long)r * max_chunks + slot) * LATENT + warp * WARP_DIMS + 2 * (lane & 3);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            float2 acc = make_float2(0.f, 0.f);
+            if (!first) acc = *reinterpret_cast<const float2*>(dst + 8 * nt);
+            acc.x = fold_o(acc.x, fa, o[nt][2 * half], fb);
+            acc.y = fold_o(acc.y, fa, o[nt][2 * half + 1], fb);
+            *reinterpret_cast<float2*>(dst + 8 * nt) = acc;
+        }
+    }
+}
+
+// The one routine that computes a chunk for a tile of query rows sharing its key list: leaves the
+// unnormalized output in o and the rows' (max, sum) in st.
 __device__ void process_chunk(Smem& s, const Task& t, const Pages& pg, int n_rows, const __nv_bfloat16* q,
-                              const __nv_bfloat16* cache, float scale, int max_chunks, float* part_o,
-                              float* part_ml, int* status) {
+                              const __nv_bfloat16* cache, float scale, float (&o)[8][4], RowState& row,
+                              int* status) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int quarter = warp >> 1, ntile = warp & 1;
     const int nkeys = min(SPLIT, t.len - t.chunk * SPLIT);
@@ -309,10 +371,9 @@ __device__ void process_chunk(Smem& s, const Task& t, const Pages& pg, int n_row
         if (st < nsub) load_subtile(s, cache, st, nkeys, st);
         cp_async_commit();
     }
-    float o[8][4];
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-    RowState row{-INFINITY, 0.f};
+    row = RowState{-INFINITY, 0.f};
     for (int sub = 0; sub < nsub; ++sub) {
         cp_async_wait<STAGES - 2>();
         // Sub-tile `sub` has landed for every thread, and every thread is done with iteration sub - 1,
@@ -329,7 +390,6 @@ __device__ void process_chunk(Smem& s, const Task& t, const Pages& pg, int n_row
         accumulate_pv(s, stage, o, warp, lane);
     }
     cp_async_wait<0>();  // only empty groups remain; leave none in flight at exit
-    store_partial(t, o, row, warp, lane, max_chunks, part_o, part_ml);
 }
 
 }  // namespace mla
@@ -340,39 +400,43 @@ using namespace kdt::mla;
 // grid (m-tiles of the row group, bs or bs * N, chunk slots), THREADS threads, sizeof(Smem) dynamic smem.
 // decode: y = request, z = chunk; prefix: y = request, z = chunk (only chunks wholly inside the prefix);
 // tail: y = request * N + tree row, z = chunk - seq_len / SPLIT (two slots: the chunks holding tree rows
-// start at seq_len / SPLIT and span at most two, as (SPLIT - 1 + N) <= 2 * SPLIT for N <= 257). `visibility` is unused (may be null) in
-// decode mode, where n_rows is 1.
+// start at seq_len / SPLIT and span at most two, as (SPLIT - 1 + N) <= 2 * SPLIT for N <= 257).
+// `fold` (decode and prefix modes only; tail ignores it): z is a fold group instead of a chunk; the CTA
+// computes the group's chunks in order and folds them into one state in the group's first slot.
+// `visibility` is unused (may be null) in decode mode, where n_rows is 1.
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
     mla_chunk(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache,
               const int* __restrict__ block_table, const int* __restrict__ seq_len,
-              const uint32_t* __restrict__ visibility, int mode, int num_pages, int page_size, int pages_per_req,
-              int n_rows, int words, int heads, int max_chunks, float scale, float* __restrict__ part_o,
-              float* __restrict__ part_ml, int* __restrict__ status) {
+              const uint32_t* __restrict__ visibility, int mode, int fold, int num_pages, int page_size,
+              int pages_per_req, int n_rows, int words, int heads, int max_chunks, float scale,
+              float* __restrict__ part_o, float* __restrict__ part_ml, int* __restrict__ status) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Smem& s = *reinterpret_cast<Smem*>(smem_raw);
     const int request = mode == MODE_TAIL ? blockIdx.y / n_rows : blockIdx.y;
     const int prefix = max(seq_len[request], 0);
+    const bool folding = fold != 0 && mode != MODE_TAIL;
     Task t;
     t.request = request;
     t.prefix = prefix;
     t.vis = nullptr;
     int group_rows = heads;
+    const int first = folding ? (int)blockIdx.z * FOLD : (int)blockIdx.z;
     if (mode == MODE_DECODE) {
         t.row0 = request * heads;
         t.len = prefix;
-        t.chunk = blockIdx.z;
+        t.chunk = first;
     } else if (mode == MODE_PREFIX) {
         group_rows = n_rows * heads;
         t.row0 = request * group_rows;
         t.len = prefix / SPLIT * SPLIT;  // the full chunks only
-        t.chunk = blockIdx.z;
+        t.chunk = first;
     } else {
         t.vis = visibility + (long long)blockIdx.y * words;
         t.row0 = blockIdx.y * heads;
         t.len = prefix + tree_count(t.vis, n_rows);
         t.chunk = prefix / SPLIT + blockIdx.z;
     }
-    if (t.chunk * SPLIT >= t.len || (int)blockIdx.x * BM >= group_rows) return;
+    if ((long long)t.chunk * SPLIT >= t.len || (int)blockIdx.x * BM >= group_rows) return;
     if (t.chunk >= max_chunks) {
         if (threadIdx.x == 0) atomicOr(status, STATUS_TOO_LONG);
         return;
@@ -380,40 +444,97 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2)
     t.row1 = t.row0 + min(group_rows, (int)(blockIdx.x + 1) * BM);
     t.row0 += blockIdx.x * BM;
     const Pages pg{block_table + (long long)request * pages_per_req, pages_per_req, page_size, num_pages};
-    process_chunk(s, t, pg, n_rows, q, cache, scale, max_chunks, part_o, part_ml, status);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float o[8][4];
+    RowState row;
+    if (!folding) {
+        process_chunk(s, t, pg, n_rows, q, cache, scale, o, row, status);
+        store_partial(t, o, row, warp, lane, max_chunks, part_o, part_ml);
+        return;
+    }
+    // The group's chunks in order, each folded into the group state exactly as mla_combine would fold
+    // their partials (fold_ml / fold_o from the initial state, in chunk order).
+    const int chunks = (t.len + SPLIT - 1) / SPLIT;
+    const int last = min(min(first + FOLD, chunks), max_chunks);
+    RowState group{-INFINITY, 0.f};
+    for (int c = first; c < last; ++c) {
+        t.chunk = c;
+        process_chunk(s, t, pg, n_rows, q, cache, scale, o, row, status);
+        fold_partial(s, t, o, row, group, c == first, first, warp, lane, max_chunks, part_o);
+    }
+    const int r = t.row0 + (threadIdx.x >> 4);
+    if ((threadIdx.x & 15) == 0 && r < t.row1) {
+        float* ml = part_ml + ((long long)r * max_chunks + first) * 2;
+        ml[0] = group.m;
+        ml[1] = group.l;
+    }
 }
 
-// grid (query rows), 128 threads: folds a row's chunk partials in chunk order and normalizes.
-// Row r is (request, tree row, head) = (r / (N*H), r / H % N, r % H); decode passes n_rows 1 and no
-// visibility.
+// grid (query rows), 128 threads: folds a row's chunk partials and normalizes. The fold is two-level
+// and fixed: the chunks of each fold group [g * FOLD, g * FOLD + FOLD) are folded in order from the
+// initial state, then the group states are folded in group order. Where mla_chunk already folded the
+// leading chunks of a group (`folded`: every chunk of a decode row, the full prefix chunks of a tree
+// row), the group's first slot holds that state and the fold continues from it, which gives the same
+// bits as folding those chunks here. A row longer than `max_seq_len` flags STATUS_TOO_LONG and gets
+// o = 0, lse = -inf. Row r is (request, tree row, head) = (r / (N*H), r / H % N, r % H); decode passes
+// n_rows 1 and no visibility.
 extern "C" __global__ void __launch_bounds__(128)
     mla_combine(const int* __restrict__ seq_len, const uint32_t* __restrict__ visibility, int n_rows, int words,
-                int heads, int max_chunks, const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                float* __restrict__ o, float* __restrict__ lse, int* __restrict__ status) {
+                int heads, int max_chunks, int max_seq_len, int folded, const float* __restrict__ part_o,
+                const float* __restrict__ part_ml, float* __restrict__ o, float* __restrict__ lse,
+                int* __restrict__ status) {
     const long long r = blockIdx.x;
     const long long tree_row = r / heads;
     const int request = (int)(tree_row / n_rows);
-    int len = max(seq_len[request], 0);
+    const int prefix = max(seq_len[request], 0);
+    int len = prefix;
     if (visibility != nullptr) len += tree_count(visibility + tree_row * words, n_rows);
     int chunks = (len + SPLIT - 1) / SPLIT;
-    if (chunks > max_chunks) {
+    if (len > max_seq_len || chunks > max_chunks) {
         if (threadIdx.x == 0) atomicOr(status, STATUS_TOO_LONG);
-        chunks = max_chunks;
+        chunks = 0;
     }
+    const int pre = folded == 0 ? 0 : (visibility != nullptr ? min(prefix / SPLIT, chunks) : chunks);
     float m = -INFINITY, l = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int c = 0; c < chunks; ++c) {
-        const long long idx = r * max_chunks + c;
-        const float mc = part_ml[2 * idx], lc = part_ml[2 * idx + 1];
-        const float4 oc = reinterpret_cast<const float4*>(part_o + idx * LATENT)[threadIdx.x];
-        const float m_new = fmaxf(m, mc);
-        const float a = ex2(__fsub_rn(m, m_new)), b = ex2(__fsub_rn(mc, m_new));
-        l = __fadd_rn(__fmul_rn(l, a), __fmul_rn(lc, b));
-        acc.x = __fadd_rn(__fmul_rn(acc.x, a), __fmul_rn(oc.x, b));
-        acc.y = __fadd_rn(__fmul_rn(acc.y, a), __fmul_rn(oc.y, b));
-        acc.z = __fadd_rn(__fmul_rn(acc.z, a), __fmul_rn(oc.z, b));
-        acc.w = __fadd_rn(__fmul_rn(acc.w, a), __fmul_rn(oc.w, b));
-        m = m_new;
+    for (int g0 = 0; g0 < chunks; g0 += FOLD) {
+        const int g1 = min(g0 + FOLD, chunks);
+        float gm = -INFINITY, gl = 0.f;
+        float4 gacc = make_float4(0.f, 0.f, 0.f, 0.f);
+        int c = g0;
+        if (g0 < pre) {
+            const long long idx = r * max_chunks + g0;
+            gm = part_ml[2 * idx];
+            gl = part_ml[2 * idx + 1];
+            gacc = reinterpret_cast<const float4*>(part_o + idx * LATENT)[threadIdx.x];
+            c = min(g1, pre);
+        }
+        // The group's partials are loaded before folding, so their loads are in flight together.
+        float4 oc[FOLD];
+        float2 ml[FOLD];
+#pragma unroll
+        for (int k = 0; k < FOLD; ++k) {
+            if (c + k >= g1) break;
+            const long long idx = r * max_chunks + c + k;
+            oc[k] = reinterpret_cast<const float4*>(part_o + idx * LATENT)[threadIdx.x];
+            ml[k] = reinterpret_cast<const float2*>(part_ml)[idx];
+        }
+#pragma unroll
+        for (int k = 0; k < FOLD; ++k) {
+            if (c + k >= g1) break;
+            float a, b;
+            fold_ml(gm, gl, ml[k].x, ml[k].y, a, b);
+            gacc.x = fold_o(gacc.x, a, oc[k].x, b);
+            gacc.y = fold_o(gacc.y, a, oc[k].y, b);
+            gacc.z = fold_o(gacc.z, a, oc[k].z, b);
+            gacc.w = fold_o(gacc.w, a, oc[k].w, b);
+        }
+        float a, b;
+        fold_ml(m, l, gm, gl, a, b);
+        acc.x = fold_o(acc.x, a, gacc.x, b);
+        acc.y = fold_o(acc.y, a, gacc.y, b);
+        acc.z = fold_o(acc.z, a, gacc.z, b);
+        acc.w = fold_o(acc.w, a, gacc.w, b);
     }
     float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
     if (chunks > 0) out = make_float4(__fdiv_rn(acc.x, l), __fdiv_rn(acc.y, l), __fdiv_rn(acc.z, l), __fdiv_rn(acc.w, l));

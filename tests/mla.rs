@@ -456,6 +456,28 @@ mod gpu {
         }
     }
 
+    /// Large decode batches fold their chunks by groups inside a CTA (src/cuda/mla.rs FOLD_MIN_CTAS),
+    /// a request alone does not: both must give the same bits.
+    #[test]
+    fn gpu_folded_decode_gives_the_same_bits_as_a_request_alone() {
+        let Some(gpu) = gpu() else { return };
+        let (bs, heads) = (64usize, 64usize);
+        let seq: Vec<i32> = (0..bs as i32).map(|b| 1024 + b * 16).collect();
+        let s = paged(91, bs, 2048, 64);
+        let mut next = xorshift(92);
+        let q = random_bf16(&mut next, bs * heads * ROW);
+        let batch = gpu.mla_decode(&q, heads, &cache_of(&s), &seq, scale()).unwrap();
+        let ppr = s.layout.pages_per_req;
+        for b in [0usize, 17, 63] {
+            let cache = PagedCache { block_table: &s.table[b * ppr..(b + 1) * ppr], ..cache_of(&s) };
+            let alone = gpu.mla_decode(&q[b * heads * ROW..(b + 1) * heads * ROW], heads, &cache, &seq[b..=b], scale());
+            let alone = alone.unwrap();
+            let name = format!("folded decode request {b}");
+            assert_bits(&name, "o", &alone.o, &batch.o[b * heads * LATENT..(b + 1) * heads * LATENT]);
+            assert_bits(&name, "lse", &alone.lse, &batch.lse[b * heads..(b + 1) * heads]);
+        }
+    }
+
     #[test]
     fn gpu_root_only_tree_equals_a_decode() {
         let Some(gpu) = gpu() else { return };
@@ -529,14 +551,22 @@ mod gpu {
         let (mut o, mut lse) = (gpu.zeros::<f32>(2 * 8 * LATENT).unwrap(), gpu.zeros::<f32>(2 * 8).unwrap());
         let dev_cache = DeviceCache { rows: rows.as_view(), layout: s.layout, block_table: table.as_view() };
         let mut out = DeviceMlaOutput { o: o.slice_mut(..2 * 8 * LATENT), lse: lse.slice_mut(..16) };
-        let too_many = plan.run_decode(gpu, &q_dev.as_view(), &dev_cache, &seq2.as_view(), sc, &mut out);
+        let too_many = plan.run_decode(gpu, &q_dev.as_view(), &dev_cache, &seq2.as_view(), 64, sc, &mut out);
         assert!(matches!(too_many, Err(Error::Shape { .. }) | Err(Error::Param { .. })), "{too_many:?}");
         let seq1 = gpu.upload(&[10]).unwrap();
         let mut out = DeviceMlaOutput { o: o.slice_mut(..8 * LATENT), lse: lse.slice_mut(..8) };
         let bad_cache = DeviceCache { rows: rows.as_view(), layout: s.layout, block_table: bad.as_view() };
-        plan.run_decode(gpu, &q_dev.as_view(), &bad_cache, &seq1.as_view(), sc, &mut out).unwrap();
+        plan.run_decode(gpu, &q_dev.as_view(), &bad_cache, &seq1.as_view(), 64, sc, &mut out).unwrap();
         assert!(matches!(plan.check_status(gpu), Err(Error::Index { name: "block_table", .. })));
-        plan.run_decode(gpu, &q_dev.as_view(), &dev_cache, &seq1.as_view(), sc, &mut out).unwrap();
+        plan.run_decode(gpu, &q_dev.as_view(), &dev_cache, &seq1.as_view(), 10, sc, &mut out).unwrap();
         plan.check_status(gpu).unwrap();
+        // A bound above the plan's is refused; a sequence past the run's bound is reported by status and
+        // its rows get o = 0, lse = -inf.
+        let over = plan.run_decode(gpu, &q_dev.as_view(), &dev_cache, &seq1.as_view(), 65, sc, &mut out);
+        assert!(matches!(over, Err(Error::Param { name: "max_seq_len", .. })), "{over:?}");
+        plan.run_decode(gpu, &q_dev.as_view(), &dev_cache, &seq1.as_view(), 9, sc, &mut out).unwrap();
+        assert!(matches!(plan.check_status(gpu), Err(Error::Param { name: "seq_len", .. })));
+        assert!(gpu.download(&lse).unwrap()[..8].iter().all(|&x| x == f32::NEG_INFINITY));
+        assert!(gpu.download(&o).unwrap()[..8 * LATENT].iter().all(|&x| x == 0.0));
     }
 }

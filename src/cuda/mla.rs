@@ -2,9 +2,10 @@
 //! [`crate::cpu::mla`]; the schedule is described at the top of the .cu file).
 //!
 //! An [`MlaPlan`] owns the split-KV scratch (one partial output, max and sum per query row and chunk of
-//! [`SPLIT`] rows) for a maximum shape; its `run_*` methods only queue kernels. Decode is two launches
-//! (chunks, combine); tree verify three (the chunks inside the prefix for all N×H rows of a request, the
-//! per-row tail chunks, combine).
+//! [`SPLIT`] rows) for a maximum shape; its `run_*` methods only queue kernels, with grids sized from the
+//! run's `max_seq_len`. Decode is two launches (chunks, combine); tree verify three (the chunks inside
+//! the prefix for all N×H rows of a request, the per-row tail chunks, combine). Large launches fold
+//! groups of `FOLD` (4) chunks inside a CTA and write one partial per group (same bits).
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 use half::bf16;
@@ -30,8 +31,16 @@ const TAIL_CHUNKS: u32 = 2;
 pub const MAX_TREE_ROWS: usize = SPLIT + 1;
 
 /// Dynamic shared memory of `mla_chunk` (kernels/mla.cu `struct Smem`): 4 stages of 16 padded key
-/// rows, the four S partial tiles, P as bf16 hi and lo, the rescale factors and the chunk's key offsets.
-pub const CHUNK_SHARED_BYTES: usize = 4 * 16 * (ROW + 8) * 2 + 4 * 16 * 16 * 4 + 2 * 16 * 24 * 2 + 16 * 4 + SPLIT * 8;
+/// rows, the four S partial tiles, P as bf16 hi and lo, the rescale and fold factors and the chunk's key
+/// offsets.
+pub const CHUNK_SHARED_BYTES: usize =
+    4 * 16 * (ROW + 8) * 2 + 4 * 16 * 16 * 4 + 2 * 16 * 24 * 2 + 3 * 16 * 4 + SPLIT * 8;
+/// Chunks per fold group (kernels/mla.cu FOLD).
+const FOLD: usize = 4;
+/// A decode or tree-prefix launch folds each group of [`FOLD`] chunks inside one CTA (writing one
+/// partial per group instead of one per chunk) when the unfolded launch would have at least this many
+/// CTAs, so that the folded one still fills the GPU several times over. The bits do not depend on it.
+const FOLD_MIN_CTAS: usize = 2048;
 
 /// Kernel modes (kernels/mla.cu MODE_*).
 const MODE_DECODE: i32 = 0;
@@ -71,6 +80,7 @@ pub struct MlaPlan {
     max_bs: usize,
     heads: usize,
     max_rows: usize,
+    max_seq_len: usize,
     max_chunks: usize,
     part_o: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
@@ -94,11 +104,13 @@ impl MlaPlan {
             .filter(|&r| r.checked_mul(LATENT).is_some())
             .ok_or_else(|| Error::param("MlaPlan", max_bs, "scratch size overflows usize"))?;
         to_i32("max_chunks", max_chunks)?;
+        to_i32("max_seq_len", max_seq_len)?;
         to_i32("bs * N", max_bs * max_rows)?;
         Ok(MlaPlan {
             max_bs,
             heads,
             max_rows,
+            max_seq_len,
             max_chunks,
             part_o: gpu.zeros(rows * LATENT)?,
             part_ml: gpu.zeros(rows * 2)?,
@@ -108,31 +120,41 @@ impl MlaPlan {
 
     /// Queues `mla_decode` of `bs = seq_len.len()` requests: `q [bs, H, 576]` bf16 into `out`.
     ///
+    /// `max_seq_len` (in `1..=` the plan's) is a bound the caller knows on the host: every
+    /// `seq_len[b] <= max_seq_len`. It sizes the launches, so a bound close to the real lengths saves the
+    /// CTAs that would find nothing to do; the results do not depend on it.
+    ///
     /// Only lengths are checked here (no host round trip): the values of `seq_len` and of the block
     /// tables are trusted. A slot past a request's block table or a page id out of range reads cache row
-    /// 0 and a sequence longer than the plan's `max_seq_len` is cut; both set a status bit that
-    /// [`MlaPlan::check_status`] reports. A request with `seq_len <= 0` gets `o = 0` and `lse = -inf`.
+    /// 0, and a request longer than `max_seq_len` gets `o = 0` and `lse = -inf`; both set a status bit
+    /// that [`MlaPlan::check_status`] reports. A request with `seq_len <= 0` gets `o = 0` and
+    /// `lse = -inf`.
+    #[allow(clippy::too_many_arguments)]
     pub fn run_decode(
         &mut self,
         gpu: &Gpu,
         q: &CudaView<bf16>,
         cache: &DeviceCache,
         seq_len: &CudaView<i32>,
+        max_seq_len: usize,
         softmax_scale: f32,
         out: &mut DeviceMlaOutput,
     ) -> Result<()> {
-        let x = Inputs { q, cache, seq_len, visibility: None, n_rows: 1, scale: softmax_scale };
+        let x = Inputs { q, cache, seq_len, max_seq_len, visibility: None, n_rows: 1, scale: softmax_scale };
         self.check_run(gpu, &x, out)?;
         self.reset_status(gpu)?;
-        let grid = (self.heads.div_ceil(TILE_ROWS) as u32, x.bs() as u32, self.max_chunks as u32);
-        self.launch_chunks(gpu, MODE_DECODE, grid, &x)?;
-        self.launch_combine(gpu, &x, out)
+        let (tiles, chunks) = (self.heads.div_ceil(TILE_ROWS), max_seq_len.div_ceil(SPLIT));
+        let fold = folds(tiles * x.bs(), chunks);
+        let slots = if fold { chunks.div_ceil(FOLD) } else { chunks };
+        self.launch_chunks(gpu, MODE_DECODE, fold, (tiles as u32, x.bs() as u32, slots as u32), &x)?;
+        self.launch_combine(gpu, &x, fold, out)
     }
 
     /// Queues `tree_verify` of `bs = seq_len.len()` requests of `n_rows` tree rows: `q [bs, N, H, 576]`
-    /// bf16 and `visibility [bs, N, ceil(N / 32)]` into `out`. Trusts the values of its inputs as
-    /// [`MlaPlan::run_decode`] does; a padding row (no visibility bit) over an empty prefix gets `o = 0`
-    /// and `lse = -inf`.
+    /// bf16 and `visibility [bs, N, ceil(N / 32)]` into `out`. `max_seq_len` bounds every row's visible
+    /// sequence, prefix plus visible tree rows (`seq_len[b] + n_rows <= max_seq_len` is always enough),
+    /// as in [`MlaPlan::run_decode`]. Trusts the values of its inputs as [`MlaPlan::run_decode`] does; a
+    /// padding row (no visibility bit) over an empty prefix gets `o = 0` and `lse = -inf`.
     #[allow(clippy::too_many_arguments)]
     pub fn run_tree_verify(
         &mut self,
@@ -141,20 +163,26 @@ impl MlaPlan {
         n_rows: usize,
         cache: &DeviceCache,
         seq_len: &CudaView<i32>,
+        max_seq_len: usize,
         visibility: &CudaView<u32>,
         softmax_scale: f32,
         out: &mut DeviceMlaOutput,
     ) -> Result<()> {
-        let x = Inputs { q, cache, seq_len, visibility: Some(visibility), n_rows, scale: softmax_scale };
+        let x = Inputs { q, cache, seq_len, max_seq_len, visibility: Some(visibility), n_rows, scale: softmax_scale };
         self.check_run(gpu, &x, out)?;
         check_visibility_len(visibility.len(), x.bs(), n_rows)?;
         self.reset_status(gpu)?;
-        let bs = x.bs() as u32;
-        let prefix_tiles = (n_rows * self.heads).div_ceil(TILE_ROWS) as u32;
-        self.launch_chunks(gpu, MODE_PREFIX, (prefix_tiles, bs, self.max_chunks as u32), &x)?;
-        let tail_grid = (self.heads.div_ceil(TILE_ROWS) as u32, bs * n_rows as u32, TAIL_CHUNKS);
-        self.launch_chunks(gpu, MODE_TAIL, tail_grid, &x)?;
-        self.launch_combine(gpu, &x, out)
+        let bs = x.bs();
+        // The prefix launch covers the chunks wholly inside a prefix: none when max_seq_len < SPLIT.
+        let (prefix_tiles, full_chunks) = ((n_rows * self.heads).div_ceil(TILE_ROWS), max_seq_len / SPLIT);
+        let fold = folds(prefix_tiles * bs, full_chunks);
+        if full_chunks > 0 {
+            let slots = if fold { full_chunks.div_ceil(FOLD) } else { full_chunks };
+            self.launch_chunks(gpu, MODE_PREFIX, fold, (prefix_tiles as u32, bs as u32, slots as u32), &x)?;
+        }
+        let tail_grid = (self.heads.div_ceil(TILE_ROWS) as u32, (bs * n_rows) as u32, TAIL_CHUNKS);
+        self.launch_chunks(gpu, MODE_TAIL, false, tail_grid, &x)?;
+        self.launch_combine(gpu, &x, fold, out)
     }
 
     /// Reads the status of the last run (a host round trip): an error if a slot mapped outside the block
@@ -170,8 +198,8 @@ impl MlaPlan {
         if bits & STATUS_TOO_LONG != 0 {
             return Err(Error::param(
                 "seq_len",
-                "> plan",
-                format!("a sequence needs more than the plan's {} chunks of {SPLIT} rows", self.max_chunks),
+                "> max_seq_len",
+                "a sequence is longer than the run's max_seq_len (its rows got o = 0, lse = -inf)",
             ));
         }
         Ok(())
@@ -190,6 +218,13 @@ impl MlaPlan {
                     "must be in 1..={} and 1..={} (the plan's maxima), bs * N <= 65535",
                     self.max_bs, self.max_rows
                 ),
+            ));
+        }
+        if x.max_seq_len == 0 || x.max_seq_len > self.max_seq_len {
+            return Err(Error::param(
+                "max_seq_len",
+                x.max_seq_len,
+                format!("must be in 1..={} (the plan's max_seq_len)", self.max_seq_len),
             ));
         }
         let rows = bs * n_rows * self.heads;
@@ -219,8 +254,9 @@ impl MlaPlan {
         gpu.stream().memset_zeros(&mut self.status).map_err(|e| cuda_err("memset mla status", e))
     }
 
-    /// One `mla_chunk` launch in `mode` over `grid` (m-tiles, request groups, chunk slots).
-    fn launch_chunks(&mut self, gpu: &Gpu, mode: i32, grid: (u32, u32, u32), x: &Inputs) -> Result<()> {
+    /// One `mla_chunk` launch in `mode` over `grid` (m-tiles, request groups, chunk slots or, with
+    /// `fold`, fold groups).
+    fn launch_chunks(&mut self, gpu: &Gpu, mode: i32, fold: bool, grid: (u32, u32, u32), x: &Inputs) -> Result<()> {
         let l = &x.cache.layout;
         let geometry = [l.num_pages as i32, l.page_size as i32, l.pages_per_req as i32];
         let shape = [x.n_rows as i32, x.n_rows.div_ceil(32) as i32, self.heads as i32, self.max_chunks as i32];
@@ -236,15 +272,17 @@ impl MlaPlan {
             Some(v) => b.arg(v),
             None => b.arg(&null),
         };
-        b.arg(&mode).arg(&geometry[0]).arg(&geometry[1]).arg(&geometry[2]);
+        let fold = fold as i32;
+        b.arg(&mode).arg(&fold).arg(&geometry[0]).arg(&geometry[1]).arg(&geometry[2]);
         b.arg(&shape[0]).arg(&shape[1]).arg(&shape[2]).arg(&shape[3]);
         b.arg(&x.scale).arg(&mut self.part_o).arg(&mut self.part_ml).arg(&mut self.status);
         unsafe { b.launch(cfg) }.map_err(|e| cuda_err("mla_chunk", e))?;
         gpu.after_launch("mla_chunk")
     }
 
-    /// The `mla_combine` launch: one CTA per query row.
-    fn launch_combine(&mut self, gpu: &Gpu, x: &Inputs, out: &mut DeviceMlaOutput) -> Result<()> {
+    /// The `mla_combine` launch: one CTA per query row; `folded`: the chunk launch before it folded its
+    /// fold groups.
+    fn launch_combine(&mut self, gpu: &Gpu, x: &Inputs, folded: bool, out: &mut DeviceMlaOutput) -> Result<()> {
         let rows = x.bs() * x.n_rows * self.heads;
         let shape = [x.n_rows as i32, x.n_rows.div_ceil(32) as i32, self.heads as i32, self.max_chunks as i32];
         let cfg =
@@ -256,7 +294,8 @@ impl MlaPlan {
             Some(v) => b.arg(v),
             None => b.arg(&null),
         };
-        b.arg(&shape[0]).arg(&shape[1]).arg(&shape[2]).arg(&shape[3]);
+        let (max_seq_len, folded) = (x.max_seq_len as i32, folded as i32);
+        b.arg(&shape[0]).arg(&shape[1]).arg(&shape[2]).arg(&shape[3]).arg(&max_seq_len).arg(&folded);
         b.arg(&self.part_o).arg(&self.part_ml).arg(&mut out.o).arg(&mut out.lse).arg(&mut self.status);
         unsafe { b.launch(cfg) }.map_err(|e| cuda_err("mla_combine", e))?;
         gpu.after_launch("mla_combine")
@@ -268,6 +307,7 @@ struct Inputs<'r, 'v> {
     q: &'r CudaView<'v, bf16>,
     cache: &'r DeviceCache<'v>,
     seq_len: &'r CudaView<'v, i32>,
+    max_seq_len: usize,
     visibility: Option<&'r CudaView<'v, u32>>,
     n_rows: usize,
     scale: f32,
@@ -277,6 +317,12 @@ impl Inputs<'_, '_> {
     fn bs(&self) -> usize {
         self.seq_len.len()
     }
+}
+
+/// Whether a launch of `groups` (m-tiles x request groups) x `chunks` CTAs folds its chunks by groups of
+/// [`FOLD`] (see [`FOLD_MIN_CTAS`]).
+fn folds(groups: usize, chunks: usize) -> bool {
+    chunks > 1 && groups.saturating_mul(chunks) >= FOLD_MIN_CTAS
 }
 
 /// A layout that passes the layout checks, for checking a plan's head count alone.
@@ -336,13 +382,14 @@ impl Gpu {
         if bs == 0 {
             return Ok(MlaOutput { o: Vec::new(), lse: Vec::new() });
         }
-        let mut plan = MlaPlan::new(self, bs, heads, longest(seq_len, 0), 1)?;
+        let max_seq_len = longest(seq_len, 0);
+        let mut plan = MlaPlan::new(self, bs, heads, max_seq_len, 1)?;
         let mut up = Uploaded::new(self, q, cache, seq_len, bs * heads)?;
         let rows = bs * heads;
         let (q_dev, seq_dev) = (up.q.as_view(), up.seq_len.as_view());
         let dev_cache = DeviceCache { rows: up.rows.as_view(), layout: cache.layout, block_table: up.table.as_view() };
         let mut out = DeviceMlaOutput { o: up.o.slice_mut(..rows * LATENT), lse: up.lse.slice_mut(..rows) };
-        plan.run_decode(self, &q_dev, &dev_cache, &seq_dev, softmax_scale, &mut out)?;
+        plan.run_decode(self, &q_dev, &dev_cache, &seq_dev, max_seq_len, softmax_scale, &mut out)?;
         plan.check_status(self)?;
         up.output(self, rows)
     }
@@ -368,14 +415,16 @@ impl Gpu {
         if bs == 0 || n_rows == 0 {
             return Ok(MlaOutput { o: Vec::new(), lse: Vec::new() });
         }
-        let mut plan = MlaPlan::new(self, bs, heads, longest(seq_len, n_rows), n_rows)?;
+        let max_seq_len = longest(seq_len, n_rows);
+        let mut plan = MlaPlan::new(self, bs, heads, max_seq_len, n_rows)?;
         let mut up = Uploaded::new(self, q, cache, seq_len, bs * n_rows * heads)?;
         let vis = self.upload(visibility)?;
         let rows = bs * n_rows * heads;
         let (q_dev, seq_dev, vis_dev) = (up.q.as_view(), up.seq_len.as_view(), vis.as_view());
         let dev_cache = DeviceCache { rows: up.rows.as_view(), layout: cache.layout, block_table: up.table.as_view() };
         let mut out = DeviceMlaOutput { o: up.o.slice_mut(..rows * LATENT), lse: up.lse.slice_mut(..rows) };
-        plan.run_tree_verify(self, &q_dev, n_rows, &dev_cache, &seq_dev, &vis_dev, softmax_scale, &mut out)?;
+        let (n, scale) = (n_rows, softmax_scale);
+        plan.run_tree_verify(self, &q_dev, n, &dev_cache, &seq_dev, max_seq_len, &vis_dev, scale, &mut out)?;
         plan.check_status(self)?;
         up.output(self, rows)
     }
