@@ -244,14 +244,6 @@ __device__ __forceinline__ uint32_t nibble_pair(uint32_t w, int shift) {
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // One group of one (m16 tile, n8 tile). The lane's words (rows r, r + 8) hold group elements 8c .. 8c + 7
 // as the pairs (0, 4), (1, 5), (2, 6), (3, 7); the activations are paired the same way, so the k order
 // inside the MMA is a permutation of the group that A and B share. The group's integer products are
