@@ -179,60 +179,78 @@ struct StageTile {
     __nv_bfloat16 scale[8][2][4];  // [row i][half][group]: row i + 8 * half
 };
 
+// A layout's cursor walks one m16 tile's chunks: `stage` copies the current chunk into a StageTile and
+// moves to the next, so the per-chunk address work is a few adds.
+
 // Checkpoint layout: packed [rows, cols/8] i32, scale [rows, cols/32] bf16. Lane l copies its 8 words
 // (4 bytes each) and, where the scale rows allow 4-byte copies (an even group count), one scale pair.
 struct NativeLayout {
-    __device__ __forceinline__ static void stage(StageTile* dst, const uint32_t* __restrict__ packed,
-                                                 const __nv_bfloat16* __restrict__ scale, int row0, int groups,
-                                                 int chunk) {
+    const uint32_t* base;  // a valid address for the zero-filling copies past the last group
+    const uint32_t* lo;    // word c of the chunk's first group, row r; row r + 8 is 8 rows further
+    const __nv_bfloat16* scale_row;  // row lane % 16, group pair lane / 16 of the chunk
+    const __nv_bfloat16* scale_base;
+    uint32_t row_words;
+    int g0, groups;
+
+    __device__ __forceinline__ NativeLayout(const uint32_t* packed, const __nv_bfloat16* scale, int row0, int groups_,
+                                            int chunk) {
         const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
-        const int g0 = chunk * CHUNK_GROUPS;
-        // 32-bit word offsets (the launcher keeps every matrix under 2^31 words) keep the eight copies'
-        // addresses cheap in registers.
-        const uint32_t words = groups * 4;
-        const uint32_t row_lo = (uint32_t)(row0 + r) * words + c, row_hi = row_lo + 8 * words;
+        groups = groups_;
+        g0 = chunk * CHUNK_GROUPS;
+        row_words = groups * 4;
+        base = packed;
+        lo = packed + (size_t)(row0 + r) * row_words + g0 * 4 + c;
+        scale_base = scale;
+        scale_row = scale + (size_t)(row0 + (lane & 15)) * groups + g0 + 2 * (lane >> 4);
+    }
+
+    __device__ __forceinline__ void stage(StageTile* dst) {
+        const int lane = threadIdx.x & 31;
         uint32_t* out_lo = reinterpret_cast<uint32_t*>(&dst->word[0][lane]);
         uint32_t* out_hi = reinterpret_cast<uint32_t*>(&dst->word[1][lane]);
 #pragma unroll
         for (int j = 0; j < CHUNK_GROUPS; ++j) {
             const bool in = g0 + j < groups;
-            const uint32_t at = (g0 + j) * 4;
-            cp_async4(out_lo + j, packed + (in ? row_lo + at : 0), in ? 4 : 0);
-            cp_async4(out_hi + j, packed + (in ? row_hi + at : 0), in ? 4 : 0);
+            cp_async4(out_lo + j, in ? lo + 4 * j : base, in ? 4 : 0);
+            cp_async4(out_hi + j, in ? lo + 8 * row_words + 4 * j : base, in ? 4 : 0);
         }
+        const int i = lane & 15, pair = lane >> 4;  // row i of the tile, groups 2 pair and 2 pair + 1
+        const bool in = g0 + 2 * pair < groups;
         if (groups % 2 == 0) {
-            const int i = lane & 15, pair = lane >> 4;  // row i of the tile, groups 2 pair, 2 pair + 1
-            const int g = g0 + 2 * pair;
-            const bool in = g < groups;
-            const __nv_bfloat16* src = scale + (size_t)(row0 + i) * groups + g;
-            cp_async4(&dst->scale[i & 7][i >> 3][2 * pair], in ? src : scale, in ? 4 : 0);
+            cp_async4(&dst->scale[i & 7][i >> 3][2 * pair], in ? scale_row : scale_base, in ? 4 : 0);
         } else {
             // Odd group counts (small shapes only) cannot use 4-byte copies: plain loads, zeros past the end.
-            const int i = lane & 15, pair = lane >> 4;
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const int g = g0 + 2 * pair + q;
-                dst->scale[i & 7][i >> 3][2 * pair + q] =
-                    g < groups ? scale[(size_t)(row0 + i) * groups + g] : __float2bfloat16_rn(0.0f);
-            }
+            dst->scale[i & 7][i >> 3][2 * pair] = in ? scale_row[0] : __float2bfloat16_rn(0.0f);
+            dst->scale[i & 7][i >> 3][2 * pair + 1] =
+                g0 + 2 * pair + 1 < groups ? scale_row[1] : __float2bfloat16_rn(0.0f);
         }
+        lo += CHUNK_GROUPS * 4;
+        scale_row += CHUNK_GROUPS;
+        g0 += CHUNK_GROUPS;
     }
 };
 
 // Tiled layout (int4_tile, cpu::moe_int4::tile): each (16-row tile, chunk) is a StageTile image in
 // global memory, so the copy is two 16-byte pieces per lane plus eight for the scales.
 struct TiledLayout {
-    __device__ __forceinline__ static void stage(StageTile* dst, const uint32_t* __restrict__ packed,
-                                                 const __nv_bfloat16* __restrict__ scale, int row0, int groups,
-                                                 int chunk) {
+    const uint4* words;   // the lane's first piece of the current chunk
+    const uint4* scales;  // the scale piece of lane % 8
+
+    __device__ __forceinline__ TiledLayout(const uint32_t* packed, const __nv_bfloat16* scale, int row0, int groups,
+                                           int chunk) {
         const int lane = threadIdx.x & 31;
-        const int chunks = (groups + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
-        const size_t tile = (size_t)(row0 / 16) * chunks + chunk;
-        const uint4* src = reinterpret_cast<const uint4*>(packed) + tile * 64;
-        cp_async16(&dst->word[0][lane], src + lane, 16);
-        cp_async16(&dst->word[1][lane], src + 32 + lane, 16);
-        if (lane < 8)
-            cp_async16(&dst->scale[lane][0][0], reinterpret_cast<const uint4*>(scale) + tile * 8 + lane, 16);
+        const size_t tile = (size_t)(row0 / 16) * ((groups + CHUNK_GROUPS - 1) / CHUNK_GROUPS) + chunk;
+        words = reinterpret_cast<const uint4*>(packed) + tile * 64 + lane;
+        scales = reinterpret_cast<const uint4*>(scale) + tile * 8 + (lane & 7);
+    }
+
+    __device__ __forceinline__ void stage(StageTile* dst) {
+        const int lane = threadIdx.x & 31;
+        cp_async16(&dst->word[0][lane], words, 16);
+        cp_async16(&dst->word[1][lane], words + 32, 16);
+        if (lane < 8) cp_async16(&dst->scale[lane][0][0], scales, 16);
+        words += 64;
+        scales += 8;
     }
 };
 
@@ -262,41 +280,45 @@ __device__ __forceinline__ void group_mma(float (&acc)[4], uint32_t w0, uint32_t
     acc[3] = fmaf(s1, part[3], acc[3]);
 }
 
-// The lane's activations of group g: elements 8c .. 8c + 7 of its token (zeros past the groups or
-// without a token).
-__device__ __forceinline__ uint4 load_act(const __nv_bfloat16* act, int g, int groups) {
-    const int c = threadIdx.x & 3;
-    return act && g < groups ? __ldg(reinterpret_cast<const uint4*>(act + g * GROUP + 8 * c)) : make_uint4(0, 0, 0, 0);
+// The lane's activations of group g: elements 8c .. 8c + 7 of its row (`x` points at element 8c of
+// group 0); zeros past the last group, which only chunks of a partly filled last chunk reach.
+__device__ __forceinline__ uint4 load_act(const uint4* x, int g, int groups) {
+    return g < groups ? __ldg(x + g * (GROUP / 8)) : make_uint4(0, 0, 0, 0);
 }
 
-// Multiplies one staged chunk (groups g0 .. g0 + 3) of MT m16 tiles with NT n8 tiles. The activations
-// (L2-resident: every block of the expert reads them) load one group at a time, so few are live at once;
-// the other warps of the SM cover their latency.
+// Multiplies one staged chunk (groups g0 .. g0 + 3) of MT m16 tiles with NT n8 tiles. With one n8 tile
+// the activations come prefetched in `xp`; with more they are loaded here, one group at a time, so they
+// do not all occupy registers at once.
 template <int MT, int NT>
 __device__ __forceinline__ void chunk_mma(float (&acc)[MT][NT][4], const StageTile* tiles,
-                                          const __nv_bfloat16* const (&act)[NT], int g0, int groups) {
+                                          const uint4 (&xp)[CHUNK_GROUPS], const uint4* const (&act)[NT], int g0,
+                                          int groups) {
     const int lane = threadIdx.x & 31;
-    uint4 lo[MT], hi[MT], sv[MT];  // words of rows r and r + 8; scales (bf16) of both rows
+    uint32_t lo[MT][CHUNK_GROUPS], hi[MT][CHUNK_GROUPS];
+    float s_lo[MT][CHUNK_GROUPS], s_hi[MT][CHUNK_GROUPS];
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-        lo[m] = tiles[m].word[0][lane];
-        hi[m] = tiles[m].word[1][lane];
-        sv[m] = *reinterpret_cast<const uint4*>(&tiles[m].scale[lane >> 2][0][0]);
+        const uint4 w0 = tiles[m].word[0][lane], w1 = tiles[m].word[1][lane];
+        const uint4 sv = *reinterpret_cast<const uint4*>(&tiles[m].scale[lane >> 2][0][0]);
+        const __nv_bfloat16* sc = reinterpret_cast<const __nv_bfloat16*>(&sv);
+        const uint32_t l4[4] = {w0.x, w0.y, w0.z, w0.w}, h4[4] = {w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+        for (int j = 0; j < CHUNK_GROUPS; ++j) {
+            lo[m][j] = l4[j];
+            hi[m][j] = h4[j];
+            s_lo[m][j] = __bfloat162float(sc[j]);
+            s_hi[m][j] = __bfloat162float(sc[4 + j]);
+        }
     }
 #pragma unroll
     for (int j = 0; j < CHUNK_GROUPS; ++j) {
         uint4 x[NT];
 #pragma unroll
-        for (int n = 0; n < NT; ++n) x[n] = load_act(act[n], g0 + j, groups);
+        for (int n = 0; n < NT; ++n) x[n] = NT == 1 ? xp[j] : load_act(act[n], g0 + j, groups);
 #pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            const __nv_bfloat16* sc = reinterpret_cast<const __nv_bfloat16*>(&sv[m]);
-            const uint32_t w0 = reinterpret_cast<const uint32_t*>(&lo[m])[j];
-            const uint32_t w1 = reinterpret_cast<const uint32_t*>(&hi[m])[j];
+        for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int n = 0; n < NT; ++n)
-                group_mma(acc[m][n], w0, w1, __bfloat162float(sc[j]), __bfloat162float(sc[4 + j]), x[n]);
-        }
+            for (int n = 0; n < NT; ++n) group_mma(acc[m][n], lo[m][j], hi[m][j], s_lo[m][j], s_hi[m][j], x[n]);
     }
 }
 
@@ -311,9 +333,10 @@ struct GemmArgs {
 };
 
 // A warp's partial sums over chunks [c_begin, c_end) for NT n8 tiles of tokens; `act[n]` is the lane's
-// activation row in n-tile n (null past the expert's tokens). `ring` holds STAGES * MT StageTiles.
+// activation row in n-tile n, advanced to element 8c (lanes past the expert's tokens read any valid row:
+// their columns are never stored). `ring` holds STAGES * MT StageTiles.
 template <class Layout, int MT, int NT, int STAGES>
-__device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, const __nv_bfloat16* const (&act)[NT],
+__device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, const uint4* const (&act)[NT],
                           int c_begin, int c_end, StageTile* ring) {
     const int groups = args.cols / GROUP;
 #pragma unroll
@@ -322,23 +345,38 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.0f;
-    auto issue = [&](int chunk) {
-        if (chunk < c_end) {
-            StageTile* dst = ring + ((chunk - c_begin) % STAGES) * MT;
+    Layout cursor[MT] = {Layout(args.packed, args.scale, args.row0[0], groups, c_begin),
+                         Layout(args.packed, args.scale, args.row0[1], groups, c_begin)};
+    static_assert(MT == 2, "the cursors above list two m16 tiles");
+    int fill = 0, use = 0;  // ring stages being filled and consumed
+    auto issue = [&](bool any) {
+        if (any) {
 #pragma unroll
-            for (int m = 0; m < MT; ++m)
-                Layout::stage(dst + m, args.packed, args.scale, args.row0[m], groups, chunk);
+            for (int m = 0; m < MT; ++m) cursor[m].stage(ring + fill * MT + m);
+            fill = fill + 1 == STAGES ? 0 : fill + 1;
         }
         cp_async_commit();  // also when empty, so the group count stays one per chunk
     };
 #pragma unroll 1
-    for (int s = 0; s < STAGES - 1; ++s) issue(c_begin + s);
+    for (int s = 0; s < STAGES - 1; ++s) issue(c_begin + s < c_end);
+    // One n8 tile: the activations of the next chunk load while this one computes (more n8 tiles load
+    // theirs inside chunk_mma).
+    uint4 x[CHUNK_GROUPS];
+#pragma unroll
+    for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = NT == 1 ? load_act(act[0], c_begin * CHUNK_GROUPS + j, groups) : uint4{};
     for (int chunk = c_begin; chunk < c_end; ++chunk) {
-        issue(chunk + STAGES - 1);
+        issue(chunk + STAGES - 1 < c_end);
+        uint4 x_next[CHUNK_GROUPS];
+#pragma unroll
+        for (int j = 0; j < CHUNK_GROUPS; ++j)
+            x_next[j] = NT == 1 ? load_act(act[0], (chunk + 1) * CHUNK_GROUPS + j, groups) : uint4{};
         cp_async_wait<STAGES - 1>();
         __syncwarp();
-        chunk_mma<MT, NT>(acc, ring + ((chunk - c_begin) % STAGES) * MT, act, chunk * CHUNK_GROUPS, groups);
+        chunk_mma<MT, NT>(acc, ring + use * MT, x, act, chunk * CHUNK_GROUPS, groups);
         __syncwarp();  // every lane is done with the stage before it is refilled
+        use = use + 1 == STAGES ? 0 : use + 1;
+#pragma unroll
+        for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = x_next[j];
     }
     cp_async_wait<0>();
 }
@@ -379,7 +417,7 @@ struct BlockShape {
     // Runs the warp's share of a pass and leaves its accumulators in the partials.
     // A row group past the matrix (`rows_valid` false) computes nothing but still reaches the barriers.
     template <class Layout>
-    __device__ static void pass(unsigned char* smem, const GemmArgs<MT>& args, const __nv_bfloat16* const (&act)[NT],
+    __device__ static void pass(unsigned char* smem, const GemmArgs<MT>& args, const uint4* const (&act)[NT],
                                 bool rows_valid) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kslice = warp % KSPLIT;
         const int chunks = (args.cols / GROUP + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
@@ -417,11 +455,11 @@ __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __r
     const int j0 = (blockIdx.y * Shape::RGROUPS + rg) * 16;
     const GemmArgs<2> args{w13, w13_scale, H, {ex.expert * 2 * I + j0, ex.expert * 2 * I + I + j0}};
     for (int t0 = 0; t0 < ex.count; t0 += NT * 8) {
-        const __nv_bfloat16* act[NT];
+        const uint4* act[NT];
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            const int t = t0 + n * 8 + (lane >> 2);
-            act[n] = t < ex.count ? x + (size_t)(sorted_pairs[ex.begin + t] / k) * H : nullptr;
+            const int t = min(t0 + n * 8 + (lane >> 2), ex.count - 1);
+            act[n] = reinterpret_cast<const uint4*>(x + (size_t)(sorted_pairs[ex.begin + t] / k) * H) + (lane & 3);
         }
         Shape::template pass<Layout>(smem, args, act, true);
         __syncthreads();
@@ -451,11 +489,11 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
     const int r0 = (blockIdx.y * Shape::RGROUPS + rg) * 32;
     const GemmArgs<2> args{w2, w2_scale, I, {ex.expert * H + r0, ex.expert * H + r0 + 16}};
     for (int t0 = 0; t0 < ex.count; t0 += NT * 8) {
-        const __nv_bfloat16* act[NT];
+        const uint4* act[NT];
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            const int t = t0 + n * 8 + (lane >> 2);
-            act[n] = t < ex.count ? h + (size_t)(ex.begin + t) * I : nullptr;
+            const int t = min(t0 + n * 8 + (lane >> 2), ex.count - 1);
+            act[n] = reinterpret_cast<const uint4*>(h + (size_t)(ex.begin + t) * I) + (lane & 3);
         }
         Shape::template pass<Layout>(smem, args, act, r0 < H);
         __syncthreads();
@@ -476,7 +514,7 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
 // GEMM (K = H, long) splits K over all 8 warps; the down GEMM (K = I, short) over 2, with 4 row groups.
 constexpr int GATE_UP_KSPLIT = 8;
 constexpr int DOWN_KSPLIT = 2;
-constexpr int NARROW_STAGES = 3;
+constexpr int NARROW_STAGES = 4;
 constexpr int WIDE_STAGES = 2;
 
 // Experts with at most 8 tokens take the narrow kernels (one n8 tile, a deep pipeline), the others the
@@ -520,9 +558,9 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
 
 // Narrow kernels are held to 128 registers so two blocks (16 warps) share an SM; the wide ones keep
 // their two n8 tiles' accumulators in registers at one block per SM.
-KDT_MOE_GEMMS(NativeLayout, 1, NARROW_STAGES, 3, native)
+KDT_MOE_GEMMS(NativeLayout, 1, NARROW_STAGES, 2, native)
 KDT_MOE_GEMMS(NativeLayout, 2, WIDE_STAGES, 1, wide_native)
-KDT_MOE_GEMMS(TiledLayout, 1, NARROW_STAGES, 3, tiled)
+KDT_MOE_GEMMS(TiledLayout, 1, NARROW_STAGES, 2, tiled)
 KDT_MOE_GEMMS(TiledLayout, 2, WIDE_STAGES, 1, wide_tiled)
 
 // Dynamic shared memory of each GEMM kernel, for the launcher (which must match these sizes).
