@@ -156,7 +156,45 @@ def mla_tables(res):
     return lines
 
 
-def render(res):
+def throughput_bytes(root, group, function, parameter):
+    """The Throughput::Bytes a bench declared (criterion keeps it in benchmark.json)."""
+    path = root / group / function / parameter / "new" / "benchmark.json"
+    if not path.exists():
+        return None
+    return (json.loads(path.read_text()).get("throughput") or {}).get("Bytes")
+
+
+def moe_table(res, root, group):
+    """MoE at Kimi dims: weight bytes of the touched experts over time, against the copy ceiling and the
+    cuBLAS bf16 baseline of the same run."""
+    layout = "tiled" if group.endswith("_tiled") else "native"
+    ceiling = copy_ceiling(res, group)
+    lines = [f"### moe_int4 ({layout} layout): H 7168, I 2048, 384 experts, top-8", ""]
+    if ceiling:
+        lines += [f"Device-to-device copy in the same run: **{ceiling:.0f} GB/s** (read + write).", ""]
+    lines += ["GB/s = packed weights + scales of the distinct experts the routing touches, over the time of "
+              "the two grouped GEMMs and the combine (`experts`); `step` adds routing and alignment. cuBLAS: the "
+              "same experts dequantized to bf16, two GEMMs per active expert (GEMMs only, a lower bound on that "
+              "path).", "",
+              "| T | expert MB | GPU experts | GB/s | % copy | GPU step | cuBLAS bf16 | vs cuBLAS | CPU | CPU vs GPU |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    keys = sorted({p for (g, _, p) in res if g == group}, key=lambda p: params(p)["t"])
+    for p in keys:
+        gpu = res.get((group, "gpu_experts", p))
+        if gpu is None:
+            continue
+        nbytes = throughput_bytes(root, group, "gpu_experts", p)
+        gbps = nbytes / gpu if nbytes else None
+        step, blas, cpu = (res.get((group, f, p)) for f in ("gpu_step", "cublas_bf16", "cpu"))
+        pct = f"{100 * gbps / ceiling:.0f}%" if gbps and ceiling else "–"
+        lines.append(
+            f"| {params(p)['t']} | {nbytes / 1e6:.0f} | {fmt_time(gpu)} | {gbps:.0f} | {pct} | "
+            f"{fmt_time(step) if step else '–'} | {fmt_time(blas) if blas else '–'} | {fmt_speedup(blas, gpu)} | "
+            f"{fmt_time(cpu) if cpu else '–'} | {fmt_speedup(cpu, gpu)} |")
+    return lines
+
+
+def render(res, root):
     lines = []
     if any(g == "topk" for (g, _, _) in res):
         lines += bandwidth_table(res, "topk", lambda q: q["bs"] * DEPTH, "topk + logsumexp (L 15, K = B)") + [""]
@@ -169,6 +207,9 @@ def render(res):
         lines += compact_table(res) + [""]
     if any(g == "mla" for (g, _, _) in res):
         lines += mla_tables(res) + [""]
+    for group in ("moe_int4", "moe_int4_tiled"):
+        if any(g == group for (g, _, _) in res):
+            lines += moe_table(res, root, group) + [""]
     return "\n".join(lines)
 
 
@@ -178,7 +219,7 @@ def main():
     ap.add_argument("--into", type=pathlib.Path)
     ap.add_argument("--title", default="tables")
     args = ap.parse_args()
-    tables = render(load(args.criterion_dir))
+    tables = render(load(args.criterion_dir), args.criterion_dir)
     if not args.into:
         print(tables)
         return

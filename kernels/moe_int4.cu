@@ -18,18 +18,17 @@ constexpr int GROUP = 32;
 constexpr int WARPS = 8;
 constexpr int THREADS = WARPS * 32;
 constexpr int MAX_EXPERTS = 1024;
-constexpr int ROUTE_THREADS = 512;
-constexpr int ROUTE_ITEMS = MAX_EXPERTS / ROUTE_THREADS;
+constexpr int ALIGN_THREADS = 512;
+constexpr int ALIGN_ITEMS = MAX_EXPERTS / ALIGN_THREADS;
+constexpr int ROUTE_WARPS = 4;  // tokens per routing CTA (a 8 KB score row each)
 
 // Status bits (mirrored in src/cuda/moe_int4.rs).
 constexpr int STATUS_BAD_LOGIT = 1;
 constexpr int STATUS_BAD_EXPERT = 2;
 
 // ---------------------------------------------------------------------------------------------------
-// Routing and alignment: one CTA. Warps route tokens (sigmoid in float64, top-k of score + bias, ties to
-// the smaller expert id, weights renormalized in slot order); then the pairs are counted per expert,
-// scanned into offsets, and placed in pair order by a single warp so that each expert's pairs stay in
-// increasing pair order.
+// Routing (sigmoid in float64, top-k of score + bias, ties to the smaller expert id, weights renormalized
+// in slot order) and alignment by expert.
 
 struct Candidate {
     double key;
@@ -54,7 +53,8 @@ __device__ __forceinline__ Candidate warp_best(Candidate c) {
 }
 
 __device__ void route_token(const float* __restrict__ logits, const float* __restrict__ bias, double scaling,
-                            int E, int k, int* __restrict__ ids, float* __restrict__ weights, int* status) {
+                            int E, int k, int* __restrict__ ids, float* __restrict__ weights, int* status,
+                            double* score) {
     const int lane = threadIdx.x & 31;
     bool finite = true;
     for (int e = lane; e < E; e += 32) finite &= isfinite(logits[e]) && isfinite(bias[e]);
@@ -67,14 +67,16 @@ __device__ void route_token(const float* __restrict__ logits, const float* __res
         if (lane == 0) atomicOr(status, STATUS_BAD_LOGIT);
         return;
     }
+    // The scores once per expert (independent exps, so they overlap), then k selection rounds of compares.
+    for (int e = lane; e < E; e += 32) score[e] = 1.0 / (1.0 + exp(-(double)logits[e]));
+    __syncwarp();
     uint32_t chosen = 0;  // bit j: expert lane + 32 j taken
     double my_score = 0.0;
     for (int slot = 0; slot < k; ++slot) {
         Candidate best{-INFINITY, 0.0, 0x7fffffff};
         for (int j = 0, e = lane; e < E; ++j, e += 32) {
             if (chosen >> j & 1u) continue;
-            double s = 1.0 / (1.0 + exp(-(double)logits[e]));
-            Candidate c{s + (double)bias[e], s, e};
+            Candidate c{score[e] + (double)bias[e], score[e], e};
             if (better(c, best)) best = c;
         }
         best = warp_best(best);
@@ -82,33 +84,43 @@ __device__ void route_token(const float* __restrict__ logits, const float* __res
         if (lane == slot) my_score = best.score;
         if (lane == 0) ids[slot] = best.id;
     }
+    __syncwarp();  // the warp's score row is reused by its next token
     double sum = 0.0;
     for (int slot = 0; slot < k; ++slot) sum += __shfl_sync(0xffffffffu, my_score, slot);
     if (lane < k) weights[lane] = (float)(my_score / sum * scaling);
 }
 
-typedef cub::BlockScan<int, ROUTE_THREADS> ScanInt;
+typedef cub::BlockScan<int, ALIGN_THREADS> ScanInt;
 
-extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
-    moe_route_align(const float* __restrict__ logits, const float* __restrict__ bias, double scaling, int T, int E,
-                    int k, int* __restrict__ topk_ids, float* __restrict__ topk_weights,
-                    int* __restrict__ expert_offsets, int* __restrict__ sorted_pairs,
-                    int* __restrict__ active_experts, int* __restrict__ num_active, int* __restrict__ status) {
+// Routing: one warp per token, ROUTE_WARPS tokens per CTA, each warp with its row of scores in shared
+// memory. Grid: ceil(T / ROUTE_WARPS).
+extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
+    moe_route(const float* __restrict__ logits, const float* __restrict__ bias, double scaling, int T, int E, int k,
+              int* __restrict__ topk_ids, float* __restrict__ topk_weights, int* __restrict__ status) {
+    __shared__ double score[ROUTE_WARPS][MAX_EXPERTS];
+    const int warp = threadIdx.x >> 5, t = blockIdx.x * ROUTE_WARPS + warp;
+    if (t >= T) return;
+    route_token(logits + (size_t)t * E, bias, scaling, E, k, topk_ids + (size_t)t * k, topk_weights + (size_t)t * k,
+                status, score[warp]);
+}
+
+// Alignment of topk_ids [T, k]: one CTA. Pairs are counted per expert, scanned into offsets, and placed in
+// pair order by a single warp so that each expert's pairs stay in increasing pair order; the experts with
+// pairs are listed in increasing id.
+extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
+    moe_align(const int* __restrict__ topk_ids, int T, int E, int k, int* __restrict__ expert_offsets,
+              int* __restrict__ sorted_pairs, int* __restrict__ active_experts, int* __restrict__ num_active,
+              int* __restrict__ status) {
     __shared__ int count[MAX_EXPERTS];
     __shared__ int next[MAX_EXPERTS];
     __shared__ typename ScanInt::TempStorage scan_tmp;
     __shared__ int bad_id;
     const int tid = threadIdx.x, pairs = T * k;
 
-    if (logits != nullptr) {
-        for (int t = tid >> 5; t < T; t += ROUTE_THREADS / 32)
-            route_token(logits + (size_t)t * E, bias, scaling, E, k, topk_ids + (size_t)t * k,
-                        topk_weights + (size_t)t * k, status);
-    }
     if (tid == 0) bad_id = 0;
-    for (int e = tid; e < E; e += ROUTE_THREADS) count[e] = 0;
+    for (int e = tid; e < E; e += ALIGN_THREADS) count[e] = 0;
     __syncthreads();
-    for (int p = tid; p < pairs; p += ROUTE_THREADS) {
+    for (int p = tid; p < pairs; p += ALIGN_THREADS) {
         int e = topk_ids[p];
         if (e < 0 || e >= E)
             bad_id = 1;
@@ -124,11 +136,11 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
         }
         return;
     }
-    // Blocked arrangement: thread tid owns experts tid * ROUTE_ITEMS + i, so the scans run in expert order.
-    int c[ROUTE_ITEMS], used[ROUTE_ITEMS], offset[ROUTE_ITEMS], rank[ROUTE_ITEMS], total_active;
+    // Blocked arrangement: thread tid owns experts tid * ALIGN_ITEMS + i, so the scans run in expert order.
+    int c[ALIGN_ITEMS], used[ALIGN_ITEMS], offset[ALIGN_ITEMS], rank[ALIGN_ITEMS], total_active;
 #pragma unroll
-    for (int i = 0; i < ROUTE_ITEMS; ++i) {
-        const int e = tid * ROUTE_ITEMS + i;
+    for (int i = 0; i < ALIGN_ITEMS; ++i) {
+        const int e = tid * ALIGN_ITEMS + i;
         c[i] = e < E ? count[e] : 0;
         used[i] = c[i] > 0 ? 1 : 0;
     }
@@ -136,8 +148,8 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     __syncthreads();
     ScanInt(scan_tmp).ExclusiveSum(used, rank, total_active);
 #pragma unroll
-    for (int i = 0; i < ROUTE_ITEMS; ++i) {
-        const int e = tid * ROUTE_ITEMS + i;
+    for (int i = 0; i < ALIGN_ITEMS; ++i) {
+        const int e = tid * ALIGN_ITEMS + i;
         if (e >= E) continue;
         expert_offsets[e] = offset[i];
         next[e] = offset[i];

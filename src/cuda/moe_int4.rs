@@ -27,7 +27,9 @@ const DOWN_ROWS_PER_BLOCK: usize = 128;
 /// Bytes of one staged (16-row tile, chunk) in shared memory.
 const STAGE_TILE_BYTES: usize = 1152;
 const WARPS: usize = 8;
-const ROUTE_THREADS: u32 = 512;
+const ALIGN_THREADS: u32 = 512;
+/// Tokens per routing CTA (one warp each).
+const ROUTE_WARPS: usize = 4;
 /// Tokens per expert served by the narrow GEMM kernels (one n8 MMA tile); more go to the wide ones.
 const NARROW_TOKENS: usize = 8;
 
@@ -334,19 +336,25 @@ impl MoePlan {
         let stream = gpu.stream();
         stream.memset_zeros(&mut self.status).map_err(|e| cuda_err("memset status", e))?;
         let (t, e, k) = (tokens as i32, self.shape.count as i32, self.k as i32);
-        let null = 0u64;
-        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (ROUTE_THREADS, 1, 1), shared_mem_bytes: 0 };
-        let mut b = stream.launch_builder(&gpu.kernels.moe_route_align);
-        match logits {
-            Some((l, bias)) => b.arg(l).arg(bias),
-            None => b.arg(&null).arg(&null),
-        };
-        b.arg(&scaling).arg(&t).arg(&e).arg(&k);
-        b.arg(&mut self.topk_ids).arg(&mut self.topk_weights).arg(&mut self.expert_offsets);
-        b.arg(&mut self.sorted_pairs).arg(&mut self.active_experts).arg(&mut self.num_active).arg(&mut self.status);
-        unsafe { b.launch(cfg) }.map_err(|e| cuda_err("moe_route_align", e))?;
+        if let Some((l, bias)) = logits {
+            let cfg = LaunchConfig {
+                grid_dim: (tokens.div_ceil(ROUTE_WARPS) as u32, 1, 1),
+                block_dim: (ROUTE_WARPS as u32 * 32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = stream.launch_builder(&gpu.kernels.moe_route);
+            b.arg(l).arg(bias).arg(&scaling).arg(&t).arg(&e).arg(&k);
+            b.arg(&mut self.topk_ids).arg(&mut self.topk_weights).arg(&mut self.status);
+            unsafe { b.launch(cfg) }.map_err(|e| cuda_err("moe_route", e))?;
+            gpu.after_launch("moe_route")?;
+        }
+        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (ALIGN_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut b = stream.launch_builder(&gpu.kernels.moe_align);
+        b.arg(&self.topk_ids).arg(&t).arg(&e).arg(&k).arg(&mut self.expert_offsets).arg(&mut self.sorted_pairs);
+        b.arg(&mut self.active_experts).arg(&mut self.num_active).arg(&mut self.status);
+        unsafe { b.launch(cfg) }.map_err(|e| cuda_err("moe_align", e))?;
         self.tokens = tokens;
-        gpu.after_launch("moe_route_align")
+        gpu.after_launch("moe_align")
     }
 
     /// Queues the routed-experts output `out [tokens, H]` (f32) of `x [tokens, H]` (bf16) for the routing
