@@ -20,10 +20,10 @@ pub const MAX_EXPERTS: usize = 1024;
 pub const MAX_TOP_K: usize = 32;
 
 const GEMM_THREADS: u32 = 256;
-/// K slices per block of each GEMM (kernels/moe_int4.cu): the gate/up GEMM splits K = H over all 8 warps,
-/// the down GEMM splits K = I over 2 and stacks 4 row groups of 32 rows.
-const GATE_UP_ROWS_PER_BLOCK: usize = 16;
-const DOWN_ROWS_PER_BLOCK: usize = 128;
+/// Rows per block of each GEMM (kernels/moe_int4.cu): gate/up splits K = H over 4 warps and stacks 2 row
+/// groups of 16 h rows; down gives each of the 8 warps a row group of 32 rows and all of K = I.
+const GATE_UP_ROWS_PER_BLOCK: usize = 32;
+const DOWN_ROWS_PER_BLOCK: usize = 256;
 /// Bytes of one staged (16-row tile, chunk) in shared memory.
 const STAGE_TILE_BYTES: usize = 1152;
 const WARPS: usize = 8;
