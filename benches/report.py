@@ -149,10 +149,13 @@ def mla_tables(res):
         lines.append(f"| {q['h']} | {q['bs']} | {q['s']} | {fmt_time(t)} | {bytes_ / t:.0f} | {flops / t / 1e3:.1f} | "
                      f"{100 * bound / t:.0f}% | {fmt_time(unfused) if unfused else '–'} | "
                      f"{fmt_speedup(unfused, t)} | {fmt_time(cpu) if cpu else '–'} |")
+    trees = sorted({p for (g, f, p) in res if g == "mla" and f == "gpu_tree"}, key=lambda p: params(p)["bs"])
+    if not trees:
+        return lines
     lines += ["", "### tree_verify (N 65, heap tree) vs 65 separate decodes", "",
               "| H | bs | prefix | tree_verify | GB/s | % roofline | 65 decodes | speedup |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for p in sorted({p for (g, f, p) in res if g == "mla" and f == "gpu_tree"}, key=lambda p: params(p)["bs"]):
+    for p in trees:
         q = params(p)
         t, rows = res[("mla", "gpu_tree", p)], res.get(("mla", "gpu_decode65", p))
         bytes_, flops = mla_cost(q, q["n"], tree=True)
