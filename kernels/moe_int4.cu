@@ -181,70 +181,85 @@ extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
 // Grouped GEMMs. A warp computes MT m16 tiles (16 weight rows each) against NT n8 tiles (8 tokens each)
 // over its share of K, walked in chunks of 4 groups (128 inputs). Each chunk of an m16 tile goes through
 // a per-warp ring of shared-memory stages filled by cp.async, so several chunks are in flight per warp.
-// A stage holds, for lane l (r = l / 4, c = l % 4), the packed word c of the chunk's 4 groups for row r
-// (`word[0][l]`) and row r + 8 (`word[1][l]`), and the 16 rows' scales as 8 (row i, row i + 8) quads.
+// Each layout has its own stage format and reads from it, for lane l (r = l / 4, c = l % 4), the packed
+// word c of the chunk's 4 groups for rows r and r + 8, and those rows' 4 scales.
 
 constexpr int CHUNK_GROUPS = 4;
 
+// The tiled layout's stage: `word[h][l]` holds lane l's 4 words for row r + 8h, and the 16 rows' scales
+// are 8 (row i, row i + 8) quads. The tiled global layout stores exactly this image per chunk.
 struct StageTile {
-    uint4 word[2][32];           // [row half][lane]: 4 words, one per group of the chunk
+    uint4 word[2][32];             // [row half][lane]: 4 words, one per group of the chunk
     __nv_bfloat16 scale[8][2][4];  // [row i][half][group]: row i + 8 * half
+};
+
+// The native layout's stage: the chunk's 16 rows in checkpoint order (64 bytes each, padded to 80 so the
+// lanes' 4-byte reads fall in distinct banks) and their 4 scales each.
+struct NativeStage {
+    uint32_t word[16][20];         // [row][group * 4 + word], 4 words of padding
+    __nv_bfloat16 scale[16][4];    // [row][group]
 };
 
 // A layout's cursor walks one m16 tile's chunks: `stage` copies the current chunk into a StageTile and
 // moves to the next, so the per-chunk address work is a few adds.
 
-// Checkpoint layout: packed [rows, cols/8] i32, scale [rows, cols/32] bf16. Lane l copies its 8 words
-// (4 bytes each) and, where the scale rows allow 4-byte copies (an even group count), one scale pair.
+// Checkpoint layout: packed [rows, cols/8] i32, scale [rows, cols/32] bf16. A row's chunk is 64
+// contiguous bytes: lane l copies the 16-byte group l % 4 of rows l / 4 and l / 4 + 8, and lanes 0..15 the
+// 8 bytes of their row's scales (4-byte-aligned groups only, i.e. a group count divisible by 4; other
+// shapes, small ones, load the scales with plain loads).
 struct NativeLayout {
-    const uint32_t* base;  // a valid address for the zero-filling copies past the last group
-    const uint32_t* lo;    // word c of the chunk's first group, row r; row r + 8 is 8 rows further
-    const __nv_bfloat16* scale_row;  // row lane % 16, group pair lane / 16 of the chunk
-    const __nv_bfloat16* scale_base;
-    uint32_t row_words;
+    typedef NativeStage Stage;
+    const uint4* piece;                // the lane's group of row l / 4 in the current chunk
+    const uint4* base;                 // a valid address for the zero-filling copies past the last group
+    const __nv_bfloat16* scale_row;    // row l % 16's scales at the chunk's first group
+    size_t row_pieces;                 // 16-byte pieces per row
     int g0, groups;
 
     __device__ __forceinline__ NativeLayout(const uint32_t* packed, const __nv_bfloat16* scale, int row0, int groups_,
                                             int chunk) {
-        const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
+        const int lane = threadIdx.x & 31;
         groups = groups_;
         g0 = chunk * CHUNK_GROUPS;
-        row_words = groups * 4;
-        base = packed;
-        lo = packed + (size_t)(row0 + r) * row_words + g0 * 4 + c;
-        scale_base = scale;
-        scale_row = scale + (size_t)(row0 + (lane & 15)) * groups + g0 + 2 * (lane >> 4);
+        row_pieces = groups;  // one 16-byte piece per group
+        base = reinterpret_cast<const uint4*>(packed);
+        piece = base + (size_t)(row0 + (lane >> 2)) * row_pieces + g0 + (lane & 3);
+        scale_row = scale + (size_t)(row0 + (lane & 15)) * groups + g0;
     }
 
-    __device__ __forceinline__ void stage(StageTile* dst) {
-        const int lane = threadIdx.x & 31;
-        uint32_t* out_lo = reinterpret_cast<uint32_t*>(&dst->word[0][lane]);
-        uint32_t* out_hi = reinterpret_cast<uint32_t*>(&dst->word[1][lane]);
+    __device__ __forceinline__ void stage(Stage* dst) {
+        const int lane = threadIdx.x & 31, row = lane >> 2, j = lane & 3;
+        const bool in = g0 + j < groups;
+        cp_async16(&dst->word[row][4 * j], in ? piece : base, in ? 16 : 0);
+        cp_async16(&dst->word[row + 8][4 * j], in ? piece + 8 * row_pieces : base, in ? 16 : 0);
+        if (lane < 16) {
+            if (groups % CHUNK_GROUPS == 0) {
+                cp_async8(&dst->scale[lane][0], scale_row);
+            } else {
 #pragma unroll
-        for (int j = 0; j < CHUNK_GROUPS; ++j) {
-            const bool in = g0 + j < groups;
-            cp_async4(out_lo + j, in ? lo + 4 * j : base, in ? 4 : 0);
-            cp_async4(out_hi + j, in ? lo + 8 * row_words + 4 * j : base, in ? 4 : 0);
+                for (int q = 0; q < CHUNK_GROUPS; ++q)
+                    dst->scale[lane][q] = g0 + q < groups ? scale_row[q] : __float2bfloat16_rn(0.0f);
+            }
         }
-        const int i = lane & 15, pair = lane >> 4;  // row i of the tile, groups 2 pair and 2 pair + 1
-        const bool in = g0 + 2 * pair < groups;
-        if (groups % 2 == 0) {
-            cp_async4(&dst->scale[i & 7][i >> 3][2 * pair], in ? scale_row : scale_base, in ? 4 : 0);
-        } else {
-            // Odd group counts (small shapes only) cannot use 4-byte copies: plain loads, zeros past the end.
-            dst->scale[i & 7][i >> 3][2 * pair] = in ? scale_row[0] : __float2bfloat16_rn(0.0f);
-            dst->scale[i & 7][i >> 3][2 * pair + 1] =
-                g0 + 2 * pair + 1 < groups ? scale_row[1] : __float2bfloat16_rn(0.0f);
-        }
-        lo += CHUNK_GROUPS * 4;
+        piece += CHUNK_GROUPS;
         scale_row += CHUNK_GROUPS;
         g0 += CHUNK_GROUPS;
+    }
+
+    // The lane's words of rows r and r + 8 (one per group) and their scales, as the tiled stage gives them.
+    __device__ __forceinline__ static void read(const Stage& s, uint4& lo, uint4& hi, uint4& scales) {
+        const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
+        lo = make_uint4(s.word[r][c], s.word[r][4 + c], s.word[r][8 + c], s.word[r][12 + c]);
+        hi = make_uint4(s.word[r + 8][c], s.word[r + 8][4 + c], s.word[r + 8][8 + c], s.word[r + 8][12 + c]);
+        const uint2 a = *reinterpret_cast<const uint2*>(&s.scale[r][0]);
+        const uint2 b = *reinterpret_cast<const uint2*>(&s.scale[r + 8][0]);
+        scales = make_uint4(a.x, a.y, b.x, b.y);
     }
 };
 
 // Tiled layout (int4_tile, cpu::moe_int4::tile): each (16-row tile, chunk) is a StageTile image in
 // global memory, so the copy is two 16-byte pieces per lane plus eight for the scales.
 struct TiledLayout {
+    typedef StageTile Stage;
     const uint4* words;   // the lane's first piece of the current chunk
     const uint4* scales;  // the scale piece of lane % 8
 
@@ -263,6 +278,13 @@ struct TiledLayout {
         if (lane < 8) cp_async16(&dst->scale[lane][0][0], scales, 16);
         words += 64;
         scales += 8;
+    }
+
+    __device__ __forceinline__ static void read(const Stage& s, uint4& lo, uint4& hi, uint4& scales) {
+        const int lane = threadIdx.x & 31;
+        lo = s.word[0][lane];
+        hi = s.word[1][lane];
+        scales = *reinterpret_cast<const uint4*>(&s.scale[lane >> 2][0][0]);
     }
 };
 
@@ -301,17 +323,16 @@ __device__ __forceinline__ uint4 load_act(const uint4* x, int g, int groups) {
 // Multiplies one staged chunk (groups g0 .. g0 + 3) of MT m16 tiles with NT n8 tiles. With one n8 tile
 // the activations come prefetched in `xp`; with more they are loaded here, one group at a time, so they
 // do not all occupy registers at once.
-template <int MT, int NT>
-__device__ __forceinline__ void chunk_mma(float (&acc)[MT][NT][4], const StageTile* tiles,
+template <class Layout, int MT, int NT>
+__device__ __forceinline__ void chunk_mma(float (&acc)[MT][NT][4], const typename Layout::Stage* tiles,
                                           const uint4 (&xp)[CHUNK_GROUPS], const uint4* const (&act)[NT], int g0,
                                           int groups) {
-    const int lane = threadIdx.x & 31;
     uint32_t lo[MT][CHUNK_GROUPS], hi[MT][CHUNK_GROUPS];
     float s_lo[MT][CHUNK_GROUPS], s_hi[MT][CHUNK_GROUPS];
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-        const uint4 w0 = tiles[m].word[0][lane], w1 = tiles[m].word[1][lane];
-        const uint4 sv = *reinterpret_cast<const uint4*>(&tiles[m].scale[lane >> 2][0][0]);
+        uint4 w0, w1, sv;
+        Layout::read(tiles[m], w0, w1, sv);
         const __nv_bfloat16* sc = reinterpret_cast<const __nv_bfloat16*>(&sv);
         const uint32_t l4[4] = {w0.x, w0.y, w0.z, w0.w}, h4[4] = {w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
@@ -346,10 +367,10 @@ struct GemmArgs {
 
 // A warp's partial sums over chunks [c_begin, c_end) for NT n8 tiles of tokens; `act[n]` is the lane's
 // activation row in n-tile n, advanced to element 8c (lanes past the expert's tokens read any valid row:
-// their columns are never stored). `ring` holds STAGES * MT StageTiles.
+// their columns are never stored). `ring` holds STAGES * MT stages.
 template <class Layout, int MT, int NT, int STAGES>
 __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, const uint4* const (&act)[NT],
-                          int c_begin, int c_end, StageTile* ring) {
+                          int c_begin, int c_end, typename Layout::Stage* ring) {
     const int groups = args.cols / GROUP;
 #pragma unroll
     for (int m = 0; m < MT; ++m)
@@ -384,7 +405,7 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
             x_next[j] = NT == 1 ? load_act(act[0], (chunk + 1) * CHUNK_GROUPS + j, groups) : uint4{};
         cp_async_wait<STAGES - 1>();
         __syncwarp();
-        chunk_mma<MT, NT>(acc, ring + use * MT, x, act, chunk * CHUNK_GROUPS, groups);
+        chunk_mma<Layout, MT, NT>(acc, ring + use * MT, x, act, chunk * CHUNK_GROUPS, groups);
         __syncwarp();  // every lane is done with the stage before it is refilled
         use = use + 1 == STAGES ? 0 : use + 1;
 #pragma unroll
@@ -414,21 +435,21 @@ __device__ __forceinline__ int frag_col(int n, int lane, int i) { return n * 8 +
 
 // A block's geometry: WARPS = KSPLIT warps splitting K at fixed chunk boundaries x RGROUPS row groups of
 // MT m16 tiles. Shared memory: the warps' stage rings, then the partial sums [KSPLIT][RGROUPS][frag].
-template <int MT, int NT, int KSPLIT, int STAGES>
+template <class Layout, int MT, int NT, int KSPLIT, int STAGES>
 struct BlockShape {
+    typedef typename Layout::Stage Stage;
     static constexpr int RGROUPS = WARPS / KSPLIT;
     static constexpr int FRAG = MT * NT * 128;  // accumulators of one warp
-    static constexpr size_t RING_BYTES = (size_t)WARPS * STAGES * MT * sizeof(StageTile);
+    static constexpr size_t RING_BYTES = (size_t)WARPS * STAGES * MT * sizeof(Stage);
     static constexpr size_t SHARED_BYTES = RING_BYTES + (size_t)WARPS * FRAG * sizeof(float);
 
-    __device__ static StageTile* ring(unsigned char* smem) {
-        return reinterpret_cast<StageTile*>(smem) + (threadIdx.x >> 5) * STAGES * MT;
+    __device__ static Stage* ring(unsigned char* smem) {
+        return reinterpret_cast<Stage*>(smem) + (threadIdx.x >> 5) * STAGES * MT;
     }
     __device__ static float* partials(unsigned char* smem) { return reinterpret_cast<float*>(smem + RING_BYTES); }
 
     // Runs the warp's share of a pass and leaves its accumulators in the partials.
     // A row group past the matrix (`rows_valid` false) computes nothing but still reaches the barriers.
-    template <class Layout>
     __device__ static void pass(unsigned char* smem, const GemmArgs<MT>& args, const uint4* const (&act)[NT],
                                 bool rows_valid) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kslice = warp % KSPLIT;
@@ -461,7 +482,7 @@ template <class Layout, int NT, int KSPLIT, int STAGES>
 __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,
                         const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k,
                         const int* __restrict__ sorted_pairs, const ExpertSlice& ex, __nv_bfloat16* __restrict__ h) {
-    typedef BlockShape<2, NT, KSPLIT, STAGES> Shape;
+    typedef BlockShape<Layout, 2, NT, KSPLIT, STAGES> Shape;
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, rg = (threadIdx.x >> 5) / KSPLIT;
     const int j0 = (blockIdx.y * Shape::RGROUPS + rg) * 16;
@@ -473,7 +494,7 @@ __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __r
             const int t = min(t0 + n * 8 + (lane >> 2), ex.count - 1);
             act[n] = reinterpret_cast<const uint4*>(x + (size_t)(sorted_pairs[ex.begin + t] / k) * H) + (lane & 3);
         }
-        Shape::template pass<Layout>(smem, args, act, true);
+        Shape::pass(smem, args, act, true);
         __syncthreads();
         for (int idx = threadIdx.x; idx < Shape::RGROUPS * NT * 128; idx += THREADS) {
             const int g = idx / (NT * 128), e = idx % (NT * 128);
@@ -495,7 +516,7 @@ template <class Layout, int NT, int KSPLIT, int STAGES>
 __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,
                      const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int* __restrict__ sorted_pairs,
                      const ExpertSlice& ex, float* __restrict__ y) {
-    typedef BlockShape<2, NT, KSPLIT, STAGES> Shape;
+    typedef BlockShape<Layout, 2, NT, KSPLIT, STAGES> Shape;
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, rg = (threadIdx.x >> 5) / KSPLIT;
     const int r0 = (blockIdx.y * Shape::RGROUPS + rg) * 32;
@@ -507,7 +528,7 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
             const int t = min(t0 + n * 8 + (lane >> 2), ex.count - 1);
             act[n] = reinterpret_cast<const uint4*>(h + (size_t)(ex.begin + t) * I) + (lane & 3);
         }
-        Shape::template pass<Layout>(smem, args, act, r0 < H);
+        Shape::pass(smem, args, act, r0 < H);
         __syncthreads();
         for (int idx = threadIdx.x; idx < Shape::RGROUPS * Shape::FRAG; idx += THREADS) {
             const int g = idx / Shape::FRAG, e = idx % Shape::FRAG;
@@ -578,10 +599,15 @@ KDT_MOE_GEMMS(TiledLayout, 1, NARROW_STAGES, 2, tiled)
 KDT_MOE_GEMMS(TiledLayout, 2, WIDE_STAGES, 1, wide_tiled)
 
 // Dynamic shared memory of each GEMM kernel, for the launcher (which must match these sizes).
-static_assert(BlockShape<2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::SHARED_BYTES <= 99 * 1024, "narrow gate/up smem");
-static_assert(BlockShape<2, 2, GATE_UP_KSPLIT, WIDE_STAGES>::SHARED_BYTES <= 99 * 1024, "wide gate/up smem");
-static_assert(BlockShape<2, 1, DOWN_KSPLIT, NARROW_STAGES>::SHARED_BYTES <= 99 * 1024, "narrow down smem");
-static_assert(BlockShape<2, 2, DOWN_KSPLIT, WIDE_STAGES>::SHARED_BYTES <= 99 * 1024, "wide down smem");
+template <class Layout>
+constexpr bool fits_shared() {
+    return BlockShape<Layout, 2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::SHARED_BYTES <= 99 * 1024 &&
+           BlockShape<Layout, 2, 2, GATE_UP_KSPLIT, WIDE_STAGES>::SHARED_BYTES <= 99 * 1024 &&
+           BlockShape<Layout, 2, 1, DOWN_KSPLIT, NARROW_STAGES>::SHARED_BYTES <= 99 * 1024 &&
+           BlockShape<Layout, 2, 2, DOWN_KSPLIT, WIDE_STAGES>::SHARED_BYTES <= 99 * 1024;
+}
+static_assert(fits_shared<NativeLayout>() && fits_shared<TiledLayout>(), "GEMM shared memory over 99 KB");
+static_assert(sizeof(NativeStage) == 1408, "src/cuda/moe_int4.rs sizes the native stages");
 static_assert(sizeof(StageTile) == 1152, "StageTile is the tiled layout's chunk image");
 
 // out[t, c] = Σ_slot weight[t, slot] · y[t * k + slot, c], in slot order, multiply and add rounded

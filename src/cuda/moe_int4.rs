@@ -24,8 +24,12 @@ const GEMM_THREADS: u32 = 256;
 /// groups of 16 h rows; down gives each of the 8 warps a row group of 32 rows and all of K = I.
 const GATE_UP_ROWS_PER_BLOCK: usize = 32;
 const DOWN_ROWS_PER_BLOCK: usize = 256;
-/// Bytes of one staged (16-row tile, chunk) in shared memory.
-const STAGE_TILE_BYTES: usize = 1152;
+/// Bytes of one staged (16-row tile, chunk) in shared memory: the tiled layout's chunk image, or the
+/// native layout's 16 rows of 64 bytes padded to 80 plus their scales (kernels/moe_int4.cu).
+const STAGE_TILE_BYTES: usize = match LAYOUT {
+    Int4Layout::Native => 1408,
+    Int4Layout::Tiled => 1152,
+};
 const WARPS: usize = 8;
 const ALIGN_THREADS: u32 = 512;
 /// Tokens per routing CTA (one warp each).
