@@ -6,9 +6,11 @@
 // A (dequantized in registers) and up to 8 tokens as B, so one token per expert wastes MMA lanes but no
 // memory traffic, and there is a single code path for every token count. Each k16 step covers 16 values
 // of one quantization group, so the group's integer dot products are exact in the MMA and the bf16 scale
-// is applied once per group in f32 (acc = fma(scale, group_sum, acc)). A block splits K over its 8 warps
-// at fixed group boundaries and sums the warps in order, so every output element is computed by the
-// same operations whatever the batch: results are deterministic and batch invariant.
+// is applied once per group in f32 (acc = fma(scale, group_sum, acc)). A block splits K over some of its
+// 8 warps at fixed chunk boundaries and sums their partials in order, so every output element is computed
+// by the same operations whatever the batch: results are deterministic and batch invariant. The same MMA
+// path serves one token or many (no separate GEMV path): at a few tokens the kernels are bound by weight
+// bytes, not by the MMA lanes left idle.
 #include "common.cuh"
 
 namespace kdt {
