@@ -547,11 +547,10 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
 
 // Launch geometry shared with src/cuda/moe_int4.rs: K slices per block and pipeline depths. The gate/up
 // GEMM (K = H, long) splits K over 4 warps, with 2 row groups of 16 h rows; the down GEMM (K = I, short)
-// splits K over 4 warps too, with 2 row groups of 32 rows, so that a one-token layer (8 experts) still
-// has about three waves of down blocks to balance the SMs (Nsight Compute: with one 256-row block per
-// expert slice the down GEMM ran at 46% of DRAM bandwidth, the gate/up one at 61%).
+// gives each warp a whole row group of 32 rows (8 per block), so a one-token layer is about two waves of
+// gate/up blocks and one of down blocks, and each warp's pipeline fills once per 14 or 16 chunks.
 constexpr int GATE_UP_KSPLIT = 4;
-constexpr int DOWN_KSPLIT = 4;
+constexpr int DOWN_KSPLIT = 1;
 constexpr int NARROW_STAGES = 4;
 constexpr int WIDE_STAGES = 2;
 
