@@ -5,8 +5,8 @@
 // Both GEMMs run as "swap AB" tensor-core products: a warp's mma.sync m16n8k16 takes 16 weight rows as
 // A (dequantized in registers) and up to 8 tokens as B, so one token per expert wastes MMA lanes but no
 // memory traffic, and there is a single code path for every token count. Each k16 step covers 16 values
-// of one quantization group, so the group's integer dot products are exact in the MMA and the bf16 scale
-// is applied once per group in f32 (acc = fma(scale, group_sum, acc)). A block splits K over some of its
+// of one quantization group, so its products are exact bf16 x int4 values, summed in f32 by the MMA, and
+// the bf16 scale is applied once per group in f32 (acc = fma(scale, group_sum, acc)). A block splits K over some of its
 // 8 warps at fixed chunk boundaries and sums their partials in order, so every output element is computed
 // by the same operations whatever the batch: results are deterministic and batch invariant. The same MMA
 // path serves one token or many (no separate GEMV path): at a few tokens the kernels are bound by weight
@@ -300,8 +300,8 @@ __device__ __forceinline__ uint32_t nibble_pair(uint32_t w, int shift) {
 
 // One group of one (m16 tile, n8 tile). The lane's words (rows r, r + 8) hold group elements 8c .. 8c + 7
 // as the pairs (0, 4), (1, 5), (2, 6), (3, 7); the activations are paired the same way, so the k order
-// inside the MMA is a permutation of the group that A and B share. The group's integer products are
-// exact in the MMA and its scale is applied once, in f32.
+// inside the MMA is a permutation of the group that A and B share. The products (nibble - 8) * x are exact
+// in the MMA and the group's scale is applied once, in f32.
 __device__ __forceinline__ void group_mma(float (&acc)[4], uint32_t w0, uint32_t w1, float s0, float s1, uint4 x) {
     const uint32_t x04 = __byte_perm(x.x, x.z, 0x5410), x15 = __byte_perm(x.x, x.z, 0x7632);
     const uint32_t x26 = __byte_perm(x.y, x.w, 0x5410), x37 = __byte_perm(x.y, x.w, 0x7632);

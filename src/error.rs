@@ -33,7 +33,8 @@ pub enum Error {
         /// The argument's name.
         name: &'static str,
         /// For top-K, the flattened (request, draft position) row; for tree build and greedy accept, the
-        /// request (the CUDA kernels report per request there).
+        /// request (the CUDA kernels report per request there); for MoE routing on the device, 0 (the
+        /// kernel reports that some token's logits were bad, not which).
         row: usize,
         /// What was wrong.
         problem: &'static str,

@@ -10,7 +10,7 @@
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::{cuda_err, to_i32, Gpu};
+use super::{check_aligned, cuda_err, to_i32, Gpu};
 use crate::cpu::mla::{
     check_decode_inputs, check_shapes, check_tree_inputs, check_visibility_len, MlaOutput, PagedCache, LATENT, ROW,
     SPLIT,
@@ -33,7 +33,7 @@ pub const MAX_TREE_ROWS: usize = SPLIT + 1;
 /// Dynamic shared memory of `mla_chunk` (kernels/mla.cu `struct Smem`): 4 stages of 16 padded key
 /// rows, the four S partial tiles, P as bf16 hi and lo, the rescale and fold factors and the chunk's key
 /// offsets.
-pub const CHUNK_SHARED_BYTES: usize =
+pub(crate) const CHUNK_SHARED_BYTES: usize =
     4 * 16 * (ROW + 8) * 2 + 4 * 16 * 16 * 4 + 2 * 16 * 24 * 2 + 3 * 16 * 4 + SPLIT * 8;
 /// Chunks per fold group (kernels/mla.cu FOLD).
 const FOLD: usize = 4;
@@ -233,21 +233,14 @@ impl MlaPlan {
         to_i32("num_pages", l.num_pages)?;
         to_i32("page_size", l.page_size)?;
         to_i32("pages_per_req", l.pages_per_req)?;
-        let stream = gpu.stream();
-        for (name, ptr, align) in [
-            ("cache", x.cache.rows.device_ptr(stream).0, 16),
-            ("q", x.q.device_ptr(stream).0, 4),
-            ("o", out.o.device_ptr(stream).0, 16),
-        ] {
-            if ptr % align != 0 {
-                return Err(Error::param(
-                    name,
-                    format!("{ptr:#x}"),
-                    format!("device pointer must be {align}-byte aligned"),
-                ));
-            }
+        // A bad page id reads row 0 of the cache (and sets the status), so there must be one.
+        if l.num_pages == 0 {
+            return Err(Error::param("num_pages", 0, "the cache needs at least one page"));
         }
-        Ok(())
+        let stream = gpu.stream();
+        check_aligned("cache", x.cache.rows.device_ptr(stream).0, 16)?;
+        check_aligned("q", x.q.device_ptr(stream).0, 4)?;
+        check_aligned("o", out.o.device_ptr(stream).0, 16)
     }
 
     fn reset_status(&mut self, gpu: &Gpu) -> Result<()> {

@@ -271,6 +271,14 @@ pub(crate) fn status_error(name: &'static str, status: &[i32]) -> Result<()> {
     Err(Error::Logits { name, row, problem })
 }
 
+/// Checks that a device pointer is `align`-byte aligned (for kernels that load in vectors), naming it.
+pub(crate) fn check_aligned(name: &'static str, ptr: u64, align: u64) -> Result<()> {
+    if ptr.is_multiple_of(align) {
+        return Ok(());
+    }
+    Err(Error::param(name, format!("{ptr:#x}"), format!("device pointer must be {align}-byte aligned")))
+}
+
 /// Converts a size to the i32 the kernels take, naming it when it does not fit.
 pub(crate) fn to_i32(name: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::param(name, v, "does not fit the kernels' 32-bit sizes"))

@@ -7,10 +7,10 @@
 //! routing and intermediate buffers for up to `max_tokens` tokens; its `route` / `set_routing` and
 //! `experts_forward` only launch kernels.
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::{cuda_err, to_i32, Gpu};
+use super::{check_aligned, cuda_err, to_i32, Gpu};
 use crate::cpu::moe_int4::{tiled_len, Experts, Routing, GROUP, PACK, TILE_ROWS};
 use crate::error::{check_len, Error, Result};
 
@@ -18,6 +18,8 @@ use crate::error::{check_len, Error, Result};
 pub const MAX_EXPERTS: usize = 1024;
 /// The largest top-k the routing kernel handles (one warp per token).
 pub const MAX_TOP_K: usize = 32;
+/// The most tokens a plan holds (the combine launches one row of blocks per token).
+pub const MAX_TOKENS: usize = 65_535;
 
 const GEMM_THREADS: u32 = 256;
 /// Rows per block of each GEMM (kernels/moe_int4.cu): gate/up splits K = H over 4 warps and stacks 2 row
@@ -114,7 +116,7 @@ impl DeviceInt4 {
             ));
         }
         check_len("packed", packed.len(), &[("rows", rows), ("cols/8", cols / PACK)])?;
-        // The kernels address packed words with 32-bit offsets.
+        // The kernels compute row indices in 32 bits.
         to_i32("packed words", packed.len())?;
         check_len("scale", scale.len(), &[("rows", rows), ("cols/32", cols / GROUP)])?;
         let native = DeviceInt4 { packed, scale, rows, cols };
@@ -152,6 +154,9 @@ pub fn random_native(
     seed: u64,
     (scale_lo, scale_hi): (f32, f32),
 ) -> Result<(CudaSlice<i32>, CudaSlice<bf16>)> {
+    if cols == 0 || !cols.is_multiple_of(GROUP) {
+        return Err(Error::param("cols", cols, format!("must be a positive multiple of {GROUP}")));
+    }
     let words = rows.checked_mul(cols / PACK).ok_or_else(|| Error::param("rows", rows, "size overflows"))?;
     let groups = rows * (cols / GROUP);
     let mut packed = gpu.zeros::<i32>(words)?;
@@ -256,8 +261,15 @@ impl MoePlan {
         if max_tokens == 0 {
             return Err(Error::param("max_tokens", 0, "must be at least 1"));
         }
+        // The combine's grid has one row of blocks per token.
+        if max_tokens > MAX_TOKENS {
+            return Err(Error::param("max_tokens", max_tokens, format!("must be at most {MAX_TOKENS}")));
+        }
         let pairs = max_tokens * k;
-        to_i32("max_tokens * k * max(H, I)", pairs * shape.hidden.max(shape.inter))?;
+        let elems = pairs
+            .checked_mul(shape.hidden.max(shape.inter))
+            .ok_or_else(|| Error::param("max_tokens", max_tokens, "the plan's buffer sizes overflow"))?;
+        to_i32("max_tokens * k * max(H, I)", elems)?;
         Ok(MoePlan {
             shape,
             k,
@@ -361,8 +373,10 @@ impl MoePlan {
         gpu.after_launch("moe_align")
     }
 
-    /// Queues the routed-experts output `out [tokens, H]` (f32) of `x [tokens, H]` (bf16) for the routing
-    /// held by the plan: gate/up GEMM with SiLU, down GEMM, and the weighted combine in slot order.
+    /// Queues the routed-experts output `out [tokens, H]` (f32) of `x [tokens, H]` (bf16, 16-byte aligned:
+    /// the kernels read it in 16-byte vectors) for the routing held by the plan: gate/up GEMM with SiLU,
+    /// down GEMM, and the weighted combine in slot order. After a routing that set the status (see
+    /// [`MoePlan::check_status`]) no expert runs and `out` holds no valid result.
     pub fn experts_forward(
         &mut self,
         gpu: &Gpu,
@@ -379,6 +393,7 @@ impl MoePlan {
         let (tokens, h_dim) = (self.tokens, self.shape.hidden);
         check_len("x", x.len(), &[("T", tokens), ("H", h_dim)])?;
         check_len("out", out.len(), &[("T", tokens), ("H", h_dim)])?;
+        check_aligned("x", x.device_ptr(gpu.stream()).0, 16)?;
         let blocks = self.shape.count.min(tokens * self.k) as u32;
         let widths: &[bool] = if self.max_per_expert > NARROW_TOKENS { &[false, true] } else { &[false] };
         for &wide in widths {
