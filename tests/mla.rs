@@ -32,12 +32,7 @@ fn layout(case: &Fixture, bs: usize) -> KvLayout {
 fn check_close(name: &str, case: &Fixture, got: &MlaOutput) {
     let (want_o, want_lse) = (case.array::<f32>("o").unwrap(), case.array::<f32>("lse").unwrap());
     assert_eq!(got.o.len(), want_o.len(), "{name}: o length");
-    let (mut err, mut norm) = (0.0f64, 0.0f64);
-    for (g, w) in got.o.iter().zip(&want_o) {
-        err += (*g as f64 - *w as f64).powi(2);
-        norm += (*w as f64).powi(2);
-    }
-    let rel = (err / norm.max(f64::MIN_POSITIVE)).sqrt();
+    let rel = common::rel_frobenius(&got.o, &want_o);
     let tol_o = case.f64("tol_o_rel").unwrap();
     assert!(rel <= tol_o, "{name}: o relative error {rel:e} > {tol_o:e}");
     let tol_lse = case.f64("tol_lse_abs").unwrap();

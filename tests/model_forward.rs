@@ -1,16 +1,24 @@
-//! The CPU forward pass against Hugging Face transformers on the tiny checkpoint of
-//! `reference/make_tiny_checkpoint.py`: logits of every prompt position, the 32-token greedy continuation,
-//! batch invariance, and errors naming the problem for broken checkpoints.
+//! The CPU forward pass against Hugging Face transformers on the two tiny checkpoints of
+//! `reference/make_tiny_checkpoint.py`: logits of every prompt position and the 32-token greedy
+//! continuation on both, batch invariance, and errors naming the problem for broken checkpoints.
+//! `fixtures/tiny_model/` has q_lora and an untied lm_head; `fixtures/tiny_model_noqlora/` takes the other
+//! two paths: the query through `q_proj` and the logits from the tied embedding.
+
+mod common;
 
 use std::path::{Path, PathBuf};
 
+use common::rel_frobenius;
 use kdtree_engine::fixture::Fixture;
-use kdtree_engine::model::{KvCache, Logits, Model};
+use kdtree_engine::model::config::Config;
+use kdtree_engine::model::weights::Checkpoint;
+use kdtree_engine::model::{KvCache, Logits, Model, Tokenizer};
 use kdtree_engine::Error;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
 const CASES: [&str; 4] = ["hello", "capital", "story", "chat"];
+const NOQLORA_CASES: [&str; 3] = ["hello", "capital", "story"];
 /// Issue 5's bounds against the float32 transformers reference.
 const MAX_REL_FROBENIUS: f64 = 1e-2;
 const MIN_ARGMAX_AGREEMENT: f64 = 0.99;
@@ -19,8 +27,21 @@ fn tiny_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny_model")
 }
 
+fn noqlora_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny_model_noqlora")
+}
+
+/// Every checkpoint with its reference cases.
+fn checkpoints() -> [(PathBuf, &'static [&'static str]); 2] {
+    [(tiny_dir(), &CASES), (noqlora_dir(), &NOQLORA_CASES)]
+}
+
+fn case_in(dir: &Path, name: &str) -> Fixture {
+    Fixture::open(dir.join("reference").join(name)).unwrap()
+}
+
 fn case(name: &str) -> Fixture {
-    Fixture::open(tiny_dir().join("reference").join(name)).unwrap()
+    case_in(&tiny_dir(), name)
 }
 
 fn ids(f: &Fixture, key: &str) -> Vec<u32> {
@@ -42,12 +63,6 @@ fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
-fn rel_frobenius(a: &[f32], reference: &[f32]) -> f64 {
-    let diff: f64 = a.iter().zip(reference).map(|(x, r)| (*x as f64 - *r as f64).powi(2)).sum();
-    let norm: f64 = reference.iter().map(|r| (*r as f64).powi(2)).sum();
-    (diff / norm).sqrt()
-}
-
 /// Prefill of the whole prompt in one call, logits at every position.
 fn prefill(model: &Model, prompt: &[u32]) -> Vec<f32> {
     let mut cache = cache(model);
@@ -57,45 +72,90 @@ fn prefill(model: &Model, prompt: &[u32]) -> Vec<f32> {
 
 #[test]
 fn prompt_logits_match_transformers() {
-    let model = Model::load(tiny_dir()).unwrap();
-    let vocab = model.config().vocab_size;
-    for name in CASES {
-        let f = case(name);
-        let prompt = ids(&f, "input_ids");
-        let expected: Vec<f32> = f.array("logits").unwrap();
-        let got = prefill(&model, &prompt);
-        assert_eq!(got.len(), expected.len(), "{name}: logits shape");
-        let err = rel_frobenius(&got, &expected);
-        let rows = prompt.len();
-        let same = (0..rows)
-            .filter(|&t| argmax(&got[t * vocab..(t + 1) * vocab]) == argmax(&expected[t * vocab..(t + 1) * vocab]))
-            .count();
-        let agreement = same as f64 / rows as f64;
-        println!("{name}: {rows} positions, relative Frobenius error {err:.3e}, argmax agreement {same}/{rows}");
-        assert!(err <= MAX_REL_FROBENIUS, "{name}: relative Frobenius error {err:.3e} > {MAX_REL_FROBENIUS}");
-        assert!(agreement >= MIN_ARGMAX_AGREEMENT, "{name}: argmax agreement {same}/{rows}");
+    for (dir, cases) in checkpoints() {
+        let model = Model::load(&dir).unwrap();
+        let vocab = model.config().vocab_size;
+        let label = dir.file_name().unwrap().to_string_lossy().into_owned();
+        for &name in cases {
+            let f = case_in(&dir, name);
+            let prompt = ids(&f, "input_ids");
+            let expected: Vec<f32> = f.array("logits").unwrap();
+            let got = prefill(&model, &prompt);
+            assert_eq!(got.len(), expected.len(), "{label} {name}: logits shape");
+            let err = rel_frobenius(&got, &expected);
+            let rows = prompt.len();
+            let same = (0..rows)
+                .filter(|&t| argmax(&got[t * vocab..(t + 1) * vocab]) == argmax(&expected[t * vocab..(t + 1) * vocab]))
+                .count();
+            let agreement = same as f64 / rows as f64;
+            println!(
+                "{label} {name}: {rows} positions, relative Frobenius error {err:.3e}, argmax agreement {same}/{rows}"
+            );
+            assert!(
+                err <= MAX_REL_FROBENIUS,
+                "{label} {name}: relative Frobenius error {err:.3e} > {MAX_REL_FROBENIUS} (argmax {same}/{rows})"
+            );
+            assert!(
+                agreement >= MIN_ARGMAX_AGREEMENT,
+                "{label} {name}: argmax agreement {same}/{rows} < {MIN_ARGMAX_AGREEMENT} (error {err:.3e})"
+            );
+        }
     }
 }
 
 #[test]
 fn greedy_continuation_matches_transformers() {
-    let model = Model::load(tiny_dir()).unwrap();
-    for name in CASES {
-        let f = case(name);
-        let prompt = ids(&f, "input_ids");
-        let expected = ids(&f, "greedy");
-        let mut cache = cache(&model);
-        let seq = cache.add_sequence();
-        let mut logits = model.forward(&mut cache, &[(seq, &prompt)], Logits::Last).unwrap();
-        let mut generated = Vec::new();
-        while generated.len() < expected.len() {
-            let next = argmax(&logits);
-            generated.push(next);
-            logits = model.forward(&mut cache, &[(seq, &[next])], Logits::Last).unwrap();
+    for (dir, cases) in checkpoints() {
+        let model = Model::load(&dir).unwrap();
+        let label = dir.file_name().unwrap().to_string_lossy().into_owned();
+        for &name in cases {
+            let f = case_in(&dir, name);
+            let prompt = ids(&f, "input_ids");
+            let expected = ids(&f, "greedy");
+            let mut cache = cache(&model);
+            let seq = cache.add_sequence();
+            let mut logits = model.forward(&mut cache, &[(seq, &prompt)], Logits::Last).unwrap();
+            let mut generated = Vec::new();
+            while generated.len() < expected.len() {
+                let next = argmax(&logits);
+                generated.push(next);
+                logits = model.forward(&mut cache, &[(seq, &[next])], Logits::Last).unwrap();
+            }
+            let same = generated.iter().zip(&expected).take_while(|(a, b)| a == b).count();
+            println!("{label} {name}: greedy continuation matches for {same}/{} tokens", expected.len());
+            assert_eq!(
+                generated,
+                expected,
+                "{label} {name}: greedy continuation differs from transformers after {same}/{} tokens",
+                expected.len()
+            );
         }
-        let same = generated.iter().zip(&expected).take_while(|(a, b)| a == b).count();
-        println!("{name}: greedy continuation matches for {same}/{} tokens", expected.len());
-        assert_eq!(generated, expected, "{name}: greedy continuation differs from transformers");
+    }
+}
+
+#[test]
+fn the_second_checkpoint_takes_the_q_proj_and_tied_embedding_paths() {
+    let config = Config::from_file(noqlora_dir().join("config.json")).unwrap();
+    assert_eq!(config.q_lora_rank, None);
+    assert!(config.tie_word_embeddings);
+    assert_eq!((config.kv_lora_rank, config.qk_rope_head_dim), (512, 64));
+    assert!(config.num_attention_heads >= 8);
+    assert!(config.int4_experts.is_some());
+    let ckpt = Checkpoint::open(noqlora_dir()).unwrap();
+    assert!(ckpt.contains("model.layers.0.self_attn.q_proj.weight"));
+    assert!(!ckpt.contains("model.layers.0.self_attn.q_a_proj.weight"));
+    assert!(!ckpt.contains("model.layers.0.self_attn.q_b_proj.weight"));
+    assert!(!ckpt.contains("lm_head.weight"));
+    assert!(ckpt.contains("model.layers.1.mlp.experts.0.gate_proj.weight_packed"));
+}
+
+#[test]
+fn the_second_checkpoints_prompts_are_the_tokenizer_ids() {
+    let tok = Tokenizer::from_dir(noqlora_dir()).unwrap();
+    for name in NOQLORA_CASES {
+        let f = case_in(&noqlora_dir(), name);
+        let prompt = f.str("prompt").unwrap();
+        assert_eq!(tok.encode(&prompt, false).unwrap(), ids(&f, "input_ids"), "{name}");
     }
 }
 

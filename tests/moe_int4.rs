@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{assert_bits, assert_same, cases, xorshift};
+use common::{assert_bits, assert_same, cases, rel_frobenius, xorshift};
 use half::bf16;
 use kdtree_engine::cpu::moe_int4::{moe_int4, quantize, route, tile, untile, Experts, Int4Matrix, Routing, GROUP};
 use kdtree_engine::fixture::Fixture;
@@ -65,17 +65,6 @@ impl FixtureWeights {
     }
 }
 
-/// Relative Frobenius error of `got` against `want`.
-fn rel_error(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    let (mut err, mut norm) = (0.0f64, 0.0f64);
-    for (g, w) in got.iter().zip(want) {
-        err += (*g as f64 - *w as f64).powi(2);
-        norm += (*w as f64).powi(2);
-    }
-    (err / norm).sqrt()
-}
-
 #[test]
 fn expert_output_matches_every_fixture() {
     for case in cases("moe_int4") {
@@ -83,7 +72,7 @@ fn expert_output_matches_every_fixture() {
         let weights = FixtureWeights::load(&case);
         let experts = weights.experts(&case);
         let got = moe_int4(&bf16_array(&case, "x"), &fixture_routing(&case), &experts).unwrap();
-        let rel = rel_error(&got, &case.array::<f32>("out").unwrap());
+        let rel = rel_frobenius(&got, &case.array::<f32>("out").unwrap());
         let tol = case.f64("tol_out_rel").unwrap();
         assert!(rel <= tol, "{name}: out relative error {rel:e} > {tol:e}");
         if let Ok(w13) = case.array::<f32>("w13") {
@@ -232,7 +221,7 @@ mod gpu {
         for case in cases("moe_int4") {
             let weights = FixtureWeights::load(&case);
             let got = gpu.moe_int4(&bf16_array(&case, "x"), &fixture_routing(&case), &weights.experts(&case)).unwrap();
-            let rel = rel_error(&got, &case.array::<f32>("out").unwrap());
+            let rel = rel_frobenius(&got, &case.array::<f32>("out").unwrap());
             let tol = case.f64("tol_out_rel").unwrap();
             println!("{}: GPU out relative error {rel:.3e} (tolerance {tol:e})", case.name());
             assert!(rel <= tol, "{}: GPU out relative error {rel:e} > {tol:e}", case.name());
@@ -300,7 +289,7 @@ mod gpu {
         assert_eq!(gpu_routing, cpu_routing, "routing (T {t}, E {e}, k {k})");
         let cpu = moe_int4(&x, &cpu_routing, &experts).unwrap();
         let got = gpu.moe_int4(&x, &gpu_routing, &experts).unwrap();
-        let rel = rel_error(&got, &cpu);
+        let rel = rel_frobenius(&got, &cpu);
         assert!(rel <= 5e-3, "T {t} E {e} k {k} H {h} I {i}: GPU vs CPU relative error {rel:e}");
     }
 
@@ -358,7 +347,7 @@ mod gpu {
             assert_eq!(plan.routing(gpu).unwrap(), routing, "T {t}");
             let want = moe_int4(&x[..t * h], &routing, &experts).unwrap();
             let got = gpu.download(&out).unwrap();
-            assert!(rel_error(&got[..t * h], &want) <= 5e-3, "T {t}");
+            assert!(rel_frobenius(&got[..t * h], &want) <= 5e-3, "T {t}");
         }
     }
 

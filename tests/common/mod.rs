@@ -40,6 +40,14 @@ pub fn assert_same<T: PartialEq + std::fmt::Debug>(case: &str, name: &str, got: 
     }
 }
 
+/// Relative Frobenius error of `got` against `want` (float64 sums; panics on a length mismatch).
+pub fn rel_frobenius(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "relative error of arrays of different lengths");
+    let err: f64 = got.iter().zip(want).map(|(g, w)| (*g as f64 - *w as f64).powi(2)).sum();
+    let norm: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
+    (err / norm.max(f64::MIN_POSITIVE)).sqrt()
+}
+
 /// Bit-exact comparison of f32 arrays (so -0.0 != 0.0 and NaN == NaN when the bits agree).
 pub fn assert_bits(case: &str, name: &str, got: &[f32], want: &[f32]) {
     let g: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
