@@ -5,7 +5,9 @@ mod common;
 
 use common::{assert_bits, assert_same, cases, rel_frobenius, xorshift};
 use half::bf16;
-use kdtree_engine::cpu::moe_int4::{moe_int4, quantize, route, tile, untile, Experts, Int4Matrix, Routing, GROUP};
+use kdtree_engine::cpu::moe_int4::{
+    moe_int4, quantize, route, tile, untile, Experts, Int4Matrix, Int4Owned, Routing, GROUP,
+};
 use kdtree_engine::fixture::Fixture;
 use kdtree_engine::Error;
 
@@ -39,28 +41,36 @@ fn fixture_routing(case: &Fixture) -> Routing {
     }
 }
 
-/// The fixture's INT4 weights: (w13 packed, w13 scale, w2 packed, w2 scale).
-struct FixtureWeights(Vec<i32>, Vec<bf16>, Vec<i32>, Vec<bf16>);
+/// One layer's INT4 experts: `e` experts of hidden size `h` and intermediate size `i`.
+struct Weights {
+    w13: Int4Owned,
+    w2: Int4Owned,
+    e: usize,
+    h: usize,
+    i: usize,
+}
 
-impl FixtureWeights {
-    fn load(case: &Fixture) -> Self {
-        FixtureWeights(
-            case.array("w13_packed").unwrap(),
-            bf16_array(case, "w13_scale"),
-            case.array("w2_packed").unwrap(),
-            bf16_array(case, "w2_scale"),
-        )
+impl Weights {
+    /// The fixture's weights.
+    fn from_fixture(case: &Fixture) -> Self {
+        let u = |k| case.usize(k).unwrap();
+        Weights {
+            w13: Int4Owned { packed: case.array("w13_packed").unwrap(), scale: bf16_array(case, "w13_scale") },
+            w2: Int4Owned { packed: case.array("w2_packed").unwrap(), scale: bf16_array(case, "w2_scale") },
+            e: u("E"),
+            h: u("H"),
+            i: u("I"),
+        }
     }
 
-    fn experts(&self, case: &Fixture) -> Experts<'_> {
-        let u = |k| case.usize(k).unwrap();
-        let (h, i, e) = (u("H"), u("I"), u("E"));
+    fn experts(&self) -> Experts<'_> {
+        let (e, h, i) = (self.e, self.h, self.i);
         Experts {
             count: e,
             hidden: h,
             inter: i,
-            w13: Int4Matrix { packed: &self.0, scale: &self.1, rows: e * 2 * i, cols: h },
-            w2: Int4Matrix { packed: &self.2, scale: &self.3, rows: e * h, cols: i },
+            w13: Int4Matrix { packed: &self.w13.packed, scale: &self.w13.scale, rows: e * 2 * i, cols: h },
+            w2: Int4Matrix { packed: &self.w2.packed, scale: &self.w2.scale, rows: e * h, cols: i },
         }
     }
 }
@@ -69,8 +79,8 @@ impl FixtureWeights {
 fn expert_output_matches_every_fixture() {
     for case in cases("moe_int4") {
         let name = case.name();
-        let weights = FixtureWeights::load(&case);
-        let experts = weights.experts(&case);
+        let weights = Weights::from_fixture(&case);
+        let experts = weights.experts();
         let got = moe_int4(&bf16_array(&case, "x"), &fixture_routing(&case), &experts).unwrap();
         let rel = rel_frobenius(&got, &case.array::<f32>("out").unwrap());
         let tol = case.f64("tol_out_rel").unwrap();
@@ -89,8 +99,8 @@ fn expert_output_matches_every_fixture() {
 #[test]
 fn the_tiled_layout_round_trips() {
     for case in cases("moe_int4") {
-        let weights = FixtureWeights::load(&case);
-        let experts = weights.experts(&case);
+        let weights = Weights::from_fixture(&case);
+        let experts = weights.experts();
         for m in [experts.w13, experts.w2] {
             let tiled = tile(&m).unwrap();
             assert_ne!(tiled.packed, m.packed, "{}: tiling must reorder", case.name());
@@ -126,33 +136,15 @@ fn quantized_values_stay_within_half_a_step() {
     }
 }
 
-/// A random layer of `e` experts with H 64, I 32.
-struct Layer {
-    w13: kdtree_engine::cpu::moe_int4::Int4Owned,
-    w2: kdtree_engine::cpu::moe_int4::Int4Owned,
-    e: usize,
-}
-
 const H: usize = 64;
 const I: usize = 32;
 
-fn layer(seed: u64, e: usize) -> Layer {
+/// A random layer of `e` experts with H 64, I 32, quantized from random bf16 weights.
+fn layer(seed: u64, e: usize) -> Weights {
     let mut next = xorshift(seed);
     let w13 = quantize(&random_bf16(&mut next, e * 2 * I * H, 0.1), e * 2 * I, H).unwrap();
     let w2 = quantize(&random_bf16(&mut next, e * H * I, 0.1), e * H, I).unwrap();
-    Layer { w13, w2, e }
-}
-
-impl Layer {
-    fn experts(&self) -> Experts<'_> {
-        Experts {
-            count: self.e,
-            hidden: H,
-            inter: I,
-            w13: Int4Matrix { packed: &self.w13.packed, scale: &self.w13.scale, rows: self.e * 2 * I, cols: H },
-            w2: Int4Matrix { packed: &self.w2.packed, scale: &self.w2.scale, rows: self.e * H, cols: I },
-        }
-    }
+    Weights { w13, w2, e, h: H, i: I }
 }
 
 #[test]
@@ -219,8 +211,8 @@ mod gpu {
     fn gpu_expert_output_matches_every_fixture() {
         let Some(gpu) = gpu() else { return };
         for case in cases("moe_int4") {
-            let weights = FixtureWeights::load(&case);
-            let got = gpu.moe_int4(&bf16_array(&case, "x"), &fixture_routing(&case), &weights.experts(&case)).unwrap();
+            let weights = Weights::from_fixture(&case);
+            let got = gpu.moe_int4(&bf16_array(&case, "x"), &fixture_routing(&case), &weights.experts()).unwrap();
             let rel = rel_frobenius(&got, &case.array::<f32>("out").unwrap());
             let tol = case.f64("tol_out_rel").unwrap();
             println!("{}: GPU out relative error {rel:.3e} (tolerance {tol:e})", case.name());
@@ -232,8 +224,8 @@ mod gpu {
     fn gpu_holds_weights_in_the_feature_layout() {
         let Some(gpu) = gpu() else { return };
         let case = &cases("moe_int4")[0];
-        let weights = FixtureWeights::load(case);
-        let m = weights.experts(case).w13;
+        let weights = Weights::from_fixture(case);
+        let m = weights.experts().w13;
         let dev =
             DeviceInt4::from_native(gpu, gpu.upload(m.packed).unwrap(), gpu.upload(m.scale).unwrap(), m.rows, m.cols)
                 .unwrap();
@@ -249,7 +241,7 @@ mod gpu {
     }
 
     /// Random INT4 experts drawn directly as packed words and scales (fast at Kimi sizes).
-    fn random_layer(seed: u64, e: usize, h: usize, i: usize) -> (Vec<i32>, Vec<bf16>, Vec<i32>, Vec<bf16>) {
+    fn random_layer(seed: u64, e: usize, h: usize, i: usize) -> Weights {
         let mut next = xorshift(seed);
         let mut words = |n: usize| (0..n).map(|_| (next() >> 32) as i32).collect::<Vec<i32>>();
         let (w13p, w2p) = (words(e * 2 * i * h / 8), words(e * h * i / 8));
@@ -258,17 +250,7 @@ mod gpu {
             (0..n).map(|_| bf16::from_f32(0.002 + (next() >> 40) as f32 / (1u64 << 24) as f32 * 0.01)).collect()
         };
         let (w13s, w2s) = (scales(e * 2 * i * h / 32), scales(e * h * i / 32));
-        (w13p, w13s, w2p, w2s)
-    }
-
-    fn experts_of<'a>(w: &'a (Vec<i32>, Vec<bf16>, Vec<i32>, Vec<bf16>), e: usize, h: usize, i: usize) -> Experts<'a> {
-        Experts {
-            count: e,
-            hidden: h,
-            inter: i,
-            w13: Int4Matrix { packed: &w.0, scale: &w.1, rows: e * 2 * i, cols: h },
-            w2: Int4Matrix { packed: &w.2, scale: &w.3, rows: e * h, cols: i },
-        }
+        Weights { w13: Int4Owned { packed: w13p, scale: w13s }, w2: Int4Owned { packed: w2p, scale: w2s }, e, h, i }
     }
 
     fn random_logits(next: &mut impl FnMut() -> u64, n: usize) -> Vec<f32> {
@@ -279,7 +261,7 @@ mod gpu {
     fn check_against_cpu(seed: u64, t: usize, e: usize, k: usize, h: usize, i: usize) {
         let gpu = gpu().expect("checked by the caller");
         let w = random_layer(seed, e, h, i);
-        let experts = experts_of(&w, e, h, i);
+        let experts = w.experts();
         let mut next = xorshift(seed ^ 0x5555);
         let x = random_bf16(&mut next, t * h, 4.0);
         let logits = random_logits(&mut next, t * e);
@@ -308,7 +290,7 @@ mod gpu {
         let Some(gpu) = gpu() else { return };
         let (t, e, k, h, i) = (128, 16, 4, 256, 128);
         let w = random_layer(11, e, h, i);
-        let dev = DeviceExperts::upload(gpu, &experts_of(&w, e, h, i)).unwrap();
+        let dev = DeviceExperts::upload(gpu, &w.experts()).unwrap();
         let mut next = xorshift(12);
         let x = random_bf16(&mut next, t * h, 4.0);
         let logits = random_logits(&mut next, t * e);
@@ -329,7 +311,7 @@ mod gpu {
         let Some(gpu) = gpu() else { return };
         let (e, k, h, i) = (8, 2, 64, 32);
         let w = random_layer(21, e, h, i);
-        let experts = experts_of(&w, e, h, i);
+        let experts = w.experts();
         let dev = DeviceExperts::upload(gpu, &experts).unwrap();
         let mut next = xorshift(22);
         let x = random_bf16(&mut next, 40 * h, 4.0);
