@@ -103,34 +103,44 @@ fn prompt_logits_match_transformers() {
     }
 }
 
-#[test]
-fn greedy_continuation_matches_transformers() {
+/// `n` greedy tokens after `prompt`: the prompt in one prefill, then one decode step per token.
+fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut cache = cache(model);
+    let seq = cache.add_sequence();
+    let mut logits = model.forward(&mut cache, &[(seq, prompt)], Logits::Last).unwrap();
+    let mut generated = Vec::new();
+    while generated.len() < n {
+        let next = argmax(&logits);
+        generated.push(next);
+        logits = model.forward(&mut cache, &[(seq, &[next])], Logits::Last).unwrap();
+    }
+    generated
+}
+
+/// Every checkpoint's 32-token greedy continuations on `load`'s backend equal transformers'.
+fn check_greedy(backend: &str, load: impl Fn(&Path) -> Model) {
     for (dir, cases) in checkpoints() {
-        let model = Model::load(&dir).unwrap();
+        let model = load(&dir);
         let label = dir.file_name().unwrap().to_string_lossy().into_owned();
         for &name in cases {
             let f = case_in(&dir, name);
-            let prompt = ids(&f, "input_ids");
             let expected = ids(&f, "greedy");
-            let mut cache = cache(&model);
-            let seq = cache.add_sequence();
-            let mut logits = model.forward(&mut cache, &[(seq, &prompt)], Logits::Last).unwrap();
-            let mut generated = Vec::new();
-            while generated.len() < expected.len() {
-                let next = argmax(&logits);
-                generated.push(next);
-                logits = model.forward(&mut cache, &[(seq, &[next])], Logits::Last).unwrap();
-            }
+            let generated = greedy(&model, &ids(&f, "input_ids"), expected.len());
             let same = generated.iter().zip(&expected).take_while(|(a, b)| a == b).count();
-            println!("{label} {name}: greedy continuation matches for {same}/{} tokens", expected.len());
+            println!("{backend} {label} {name}: greedy continuation matches for {same}/{} tokens", expected.len());
             assert_eq!(
                 generated,
                 expected,
-                "{label} {name}: greedy continuation differs from transformers after {same}/{} tokens",
+                "{backend} {label} {name}: greedy continuation differs from transformers after {same}/{} tokens",
                 expected.len()
             );
         }
     }
+}
+
+#[test]
+fn greedy_continuation_matches_transformers() {
+    check_greedy("cpu", |dir| Model::load(dir).unwrap());
 }
 
 #[test]
@@ -159,17 +169,17 @@ fn the_second_checkpoints_prompts_are_the_tokenizer_ids() {
     }
 }
 
-#[test]
-fn logits_are_batch_invariant() {
-    let model = Model::load(tiny_dir()).unwrap();
+/// A prompt's logits alone and inside a batch of 8 prompts are bit-identical, for prefill and for one
+/// decode step of all eight sequences.
+fn check_batch_invariance(model: &Model) {
     let mut prompts: Vec<Vec<u32>> = CASES.iter().map(|n| ids(&case(n), "input_ids")).collect();
     // Four more prompts of other lengths, cut from the fixtures' prompts.
     let extra: Vec<Vec<u32>> = prompts.iter().map(|p| p[..p.len().div_ceil(2)].to_vec()).collect();
     prompts.extend(extra);
     assert_eq!(prompts.len(), 8);
-    let alone: Vec<Vec<f32>> = prompts.iter().map(|p| prefill(&model, p)).collect();
+    let alone: Vec<Vec<f32>> = prompts.iter().map(|p| prefill(model, p)).collect();
 
-    let mut cache = cache(&model);
+    let mut cache = cache(model);
     let seqs: Vec<usize> = prompts.iter().map(|_| cache.add_sequence()).collect();
     let batch: Vec<(usize, &[u32])> = seqs.iter().zip(&prompts).map(|(&s, p)| (s, p.as_slice())).collect();
     let together = model.forward(&mut cache, &batch, Logits::All).unwrap();
@@ -186,7 +196,7 @@ fn logits_are_batch_invariant() {
     let batch: Vec<(usize, &[u32])> = seqs.iter().zip(&step).map(|(&s, t)| (s, std::slice::from_ref(t))).collect();
     let together = model.forward(&mut cache, &batch, Logits::Last).unwrap();
     for (i, p) in prompts.iter().enumerate() {
-        let mut own = self::cache(&model);
+        let mut own = self::cache(model);
         let seq = own.add_sequence();
         model.forward(&mut own, &[(seq, p)], Logits::Last).unwrap();
         let alone = model.forward(&mut own, &[(seq, &[step[i]])], Logits::Last).unwrap();
@@ -195,17 +205,26 @@ fn logits_are_batch_invariant() {
 }
 
 #[test]
-fn prefill_equals_token_by_token_decoding() {
-    let model = Model::load(tiny_dir()).unwrap();
+fn logits_are_batch_invariant() {
+    check_batch_invariance(&Model::load(tiny_dir()).unwrap());
+}
+
+/// Prefill of a prompt gives the bits of feeding it one token per step.
+fn check_prefill_equals_decoding(model: &Model) {
     let prompt = ids(&case("story"), "input_ids");
-    let all = prefill(&model, &prompt);
-    let mut cache = cache(&model);
+    let all = prefill(model, &prompt);
+    let mut cache = cache(model);
     let seq = cache.add_sequence();
     let vocab = model.config().vocab_size;
     for (t, &tok) in prompt.iter().enumerate() {
         let step = model.forward(&mut cache, &[(seq, &[tok])], Logits::Last).unwrap();
         assert!(step[..] == all[t * vocab..(t + 1) * vocab], "position {t}: decode differs from prefill");
     }
+}
+
+#[test]
+fn prefill_equals_token_by_token_decoding() {
+    check_prefill_equals_decoding(&Model::load(tiny_dir()).unwrap());
 }
 
 #[test]
@@ -307,5 +326,75 @@ fn an_unsupported_config_value_is_named() {
         Err(Error::Param { name, value, .. }) => assert_eq!((name, value.as_str()), ("scoring_func", "softmax")),
         Err(other) => panic!("expected a parameter error naming scoring_func, got {other}"),
         Ok(_) => panic!("a softmax router should be rejected"),
+    }
+}
+
+/// The CUDA backend (kernels/gemm_bf16.cu, mla.cu, moe_int4.cu) against the CPU backend and transformers.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use kdtree_engine::cuda::Gpu;
+    use kdtree_engine::model::ops::CudaOps;
+
+    fn cuda_model(dir: &Path) -> Model {
+        let gpu = Gpu::new(0).expect("a CUDA device is present, so it must open");
+        Model::load_on(dir, Box::new(CudaOps::new(gpu))).unwrap()
+    }
+
+    #[test]
+    fn cuda_logits_match_cpu_and_transformers() {
+        if common::gpu().is_none() {
+            return;
+        }
+        for (dir, cases) in checkpoints() {
+            let (cpu, gpu) = (Model::load(&dir).unwrap(), cuda_model(&dir));
+            let vocab = cpu.config().vocab_size;
+            let label = dir.file_name().unwrap().to_string_lossy().into_owned();
+            for &name in cases {
+                let f = case_in(&dir, name);
+                let prompt = ids(&f, "input_ids");
+                let got = prefill(&gpu, &prompt);
+                let rows = prompt.len();
+                for (reference, want) in [("cpu", prefill(&cpu, &prompt)), ("transformers", f.array("logits").unwrap())]
+                {
+                    let err = rel_frobenius(&got, &want);
+                    let same = (0..rows)
+                        .filter(|&t| {
+                            argmax(&got[t * vocab..(t + 1) * vocab]) == argmax(&want[t * vocab..(t + 1) * vocab])
+                        })
+                        .count();
+                    println!("cuda vs {reference}, {label} {name}: relative Frobenius {err:.3e}, argmax {same}/{rows}");
+                    assert!(err <= MAX_REL_FROBENIUS, "{label} {name}: cuda vs {reference} error {err:.3e}");
+                    assert!(
+                        same as f64 / rows as f64 >= MIN_ARGMAX_AGREEMENT,
+                        "{label} {name}: cuda vs {reference} argmax agreement {same}/{rows}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn cuda_greedy_continuation_matches_transformers() {
+        if common::gpu().is_none() {
+            return;
+        }
+        check_greedy("cuda", cuda_model);
+    }
+
+    #[test]
+    fn cuda_logits_are_batch_invariant() {
+        if common::gpu().is_none() {
+            return;
+        }
+        check_batch_invariance(&cuda_model(&tiny_dir()));
+    }
+
+    #[test]
+    fn cuda_prefill_equals_token_by_token_decoding() {
+        if common::gpu().is_none() {
+            return;
+        }
+        check_prefill_equals_decoding(&cuda_model(&tiny_dir()));
     }
 }

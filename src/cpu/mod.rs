@@ -2,6 +2,7 @@
 //! run in parallel over rows with rayon; each row's arithmetic is sequential and fixed, so the results
 //! do not depend on the thread count.
 
+pub mod gemm_bf16;
 pub mod greedy_accept;
 pub mod kv_compact;
 pub mod mla;

@@ -6,6 +6,7 @@
 //! call used by tests and examples. In debug builds every launch is followed by a synchronize and an
 //! error check, so a faulting kernel is reported at its launch site.
 
+pub mod gemm_bf16;
 pub mod greedy_accept;
 pub mod kv_compact;
 pub mod mla;
@@ -107,6 +108,9 @@ struct Kernels {
     int4_dequant_bf16: CudaFunction,
     mla_chunk: CudaFunction,
     mla_combine: CudaFunction,
+    gemm_bf16: CudaFunction,
+    gemm_reduce: CudaFunction,
+    gemm_split_bf16: CudaFunction,
 }
 
 impl Kernels {
@@ -131,6 +135,9 @@ impl Kernels {
             int4_dequant_bf16: f("int4_dequant_bf16")?,
             mla_chunk: f("mla_chunk")?,
             mla_combine: f("mla_combine")?,
+            gemm_bf16: f("gemm_bf16")?,
+            gemm_reduce: f("gemm_reduce")?,
+            gemm_split_bf16: f("gemm_split_bf16")?,
         })
     }
 
@@ -199,6 +206,13 @@ impl Gpu {
                 mla::CHUNK_SHARED_BYTES as i32,
             )
             .map_err(|e| cuda_err("mla_chunk shared memory attribute", e))?;
+        kernels
+            .gemm_bf16
+            .set_attribute(
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                gemm_bf16::SHARED_BYTES as i32,
+            )
+            .map_err(|e| cuda_err("gemm_bf16 shared memory attribute", e))?;
         // A stream of our own (not the legacy default stream), so that launches can be captured in graphs.
         let stream = ctx.new_stream().map_err(|e| cuda_err("new_stream", e))?;
         Ok(Gpu { ctx, stream, kernels })

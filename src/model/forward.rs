@@ -45,7 +45,7 @@ pub struct Model {
     embed: Vec<bf16>,
     layers: Vec<Layer>,
     norm: RmsNorm,
-    lm_head: Option<Linear>,
+    lm_head: Linear,
     rope: Rope,
     ops: Box<dyn Ops + Send>,
 }
@@ -62,10 +62,16 @@ pub enum Logits {
 impl Model {
     /// Loads `config.json` and the safetensors of a checkpoint directory, for the CPU backend.
     pub fn load(dir: impl AsRef<Path>) -> Result<Self> {
+        Self::load_on(dir, Box::new(CpuOps))
+    }
+
+    /// Loads a checkpoint directory for the backend `ops` (e.g. [`crate::model::ops::CudaOps`] with the
+    /// `cuda` feature).
+    pub fn load_on(dir: impl AsRef<Path>, ops: Box<dyn Ops + Send>) -> Result<Self> {
         let dir = dir.as_ref();
         let config = Config::from_file(dir.join("config.json"))?;
         let ckpt = Checkpoint::open(dir)?;
-        Self::from_checkpoint(config, &ckpt, Box::new(CpuOps))
+        Self::from_checkpoint(config, &ckpt, ops)
     }
 
     /// Builds the model from a checked config and an open checkpoint, running on `ops`.
@@ -94,9 +100,14 @@ impl Model {
         }
         bar.finish_and_clear();
         let (v, h) = (c.vocab_size, c.hidden_size);
-        let lm_head = if c.tie_word_embeddings { None } else { Some(Linear::load(ckpt, "lm_head.weight", v, h)?) };
+        let embed = ckpt.bf16("model.embed_tokens.weight", &[v, h])?;
+        let lm_head = if c.tie_word_embeddings {
+            Linear::new(embed.clone(), v, h)?
+        } else {
+            Linear::load(ckpt, "lm_head.weight", v, h)?
+        };
         Ok(Model {
-            embed: ckpt.bf16("model.embed_tokens.weight", &[v, h])?,
+            embed,
             norm: RmsNorm::load(ckpt, "model.norm.weight", h, c.rms_norm_eps)?,
             lm_head,
             layers,
@@ -171,11 +182,7 @@ impl Model {
             }
         };
         let last: Vec<f32> = picked.iter().flat_map(|&t| x[t * h..(t + 1) * h].iter().copied()).collect();
-        let normed = self.norm.forward(&last);
-        match &self.lm_head {
-            Some(head) => self.ops.linear(head, &normed),
-            None => Ok(tied_logits(&self.embed, &normed, h)),
-        }
+        self.ops.linear(&self.lm_head, &self.norm.forward(&last))
     }
 
     /// MLA of one layer for `x [T, h]` (already normed): writes the tokens' `[c_kv | k_pe]` rows to the
@@ -263,11 +270,6 @@ fn load_layer(ckpt: &Checkpoint, c: &Config, i: usize) -> Result<Layer> {
 
 fn add(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
-}
-
-/// Logits through the embedding matrix (tied lm_head).
-fn tied_logits(embed: &[bf16], x: &[f32], h: usize) -> Vec<f32> {
-    x.chunks(h).flat_map(|row| embed.chunks(h).map(move |e| crate::model::layers::dot(row, e))).collect()
 }
 
 /// One sequence's place in the cache.

@@ -4,17 +4,28 @@
 //! Activations are float32 `[tokens, features]` row-major. Every output element is one dot product summed
 //! in a fixed order, whatever the number of tokens, so a token's result does not depend on the batch.
 
-use half::bf16;
-use rayon::prelude::*;
+use std::sync::atomic::{AtomicU64, Ordering};
 
+use half::bf16;
+
+use crate::cpu::gemm_bf16::{dot, gemm_bf16};
 use crate::cpu::moe_int4::{self, Experts, Int4Matrix, Routing};
-use crate::error::{Error, Result};
+use crate::error::{check_len, Error, Result};
 use crate::model::config::Config;
 use crate::model::ops::Ops;
 use crate::model::weights::Checkpoint;
 
-/// Output elements per parallel work item of [`Linear::forward`].
-const CHUNK: usize = 64;
+/// A process-unique id of a loaded weight, so that a backend can keep one device copy per weight (clones
+/// share the id: they hold the same values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct WeightId(u64);
+
+impl WeightId {
+    fn next() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        WeightId(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
 
 /// A bias-free linear layer with a bf16 weight `[out, in]`.
 #[derive(Clone, Debug)]
@@ -22,12 +33,29 @@ pub struct Linear {
     w: Vec<bf16>,
     out: usize,
     inp: usize,
+    id: WeightId,
 }
 
 impl Linear {
+    /// A layer of weight `w [out, inp]`.
+    pub fn new(w: Vec<bf16>, out: usize, inp: usize) -> Result<Self> {
+        check_len("w", w.len(), &[("out", out), ("in", inp)])?;
+        Ok(Linear { w, out, inp, id: WeightId::next() })
+    }
+
     /// Reads `<name>` as a `[out, inp]` bf16 tensor.
     pub fn load(ckpt: &Checkpoint, name: &str, out: usize, inp: usize) -> Result<Self> {
-        Ok(Linear { w: ckpt.bf16(name, &[out, inp])?, out, inp })
+        Self::new(ckpt.bf16(name, &[out, inp])?, out, inp)
+    }
+
+    /// This weight's id.
+    pub fn id(&self) -> WeightId {
+        self.id
+    }
+
+    /// The weight, `[out, in]` row-major.
+    pub fn weight(&self) -> &[bf16] {
+        &self.w
     }
 
     /// Output features.
@@ -45,24 +73,11 @@ impl Linear {
         self.inp
     }
 
-    /// `x [T, in]` times the weight's transpose on the CPU: `[T, out]`, float32 accumulation in input
-    /// order (what [`crate::model::ops::CpuOps`] runs).
-    pub fn forward_cpu(&self, x: &[f32]) -> Vec<f32> {
-        let tokens = x.len() / self.inp;
-        let mut y = vec![0f32; tokens * self.out];
-        y.par_chunks_mut(CHUNK).enumerate().for_each(|(c, chunk)| {
-            for (j, v) in chunk.iter_mut().enumerate() {
-                let (t, r) = ((c * CHUNK + j) / self.out, (c * CHUNK + j) % self.out);
-                *v = dot(&x[t * self.inp..(t + 1) * self.inp], self.row(r));
-            }
-        });
-        y
+    /// `x [T, in]` times the weight's transpose on the CPU: `[T, out]` (what
+    /// [`crate::model::ops::CpuOps`] runs).
+    pub fn forward_cpu(&self, x: &[f32]) -> Result<Vec<f32>> {
+        gemm_bf16(&self.w, self.out, self.inp, x)
     }
-}
-
-/// `Σ x[i] · w[i]` in float32, in index order.
-pub fn dot(x: &[f32], w: &[bf16]) -> f32 {
-    x.iter().zip(w).fold(0.0f32, |acc, (a, b)| acc + a * b.to_f32())
 }
 
 /// RMSNorm with a learned scale: `w · x / sqrt(mean(x²) + eps)`, in float32.
@@ -128,6 +143,7 @@ impl Mlp {
 /// [`moe_int4::moe_int4`] reads them: `w13` = each expert's gate rows then up rows, `w2` = down rows.
 #[derive(Clone, Debug)]
 pub struct RoutedExperts {
+    id: WeightId,
     count: usize,
     hidden: usize,
     inter: usize,
@@ -142,6 +158,7 @@ impl RoutedExperts {
     pub fn load(ckpt: &Checkpoint, prefix: &str, config: &Config) -> Result<Self> {
         let (count, hidden, inter) = (config.n_routed_experts, config.hidden_size, config.moe_intermediate_size);
         let mut experts = RoutedExperts {
+            id: WeightId::next(),
             count,
             hidden,
             inter,
@@ -161,6 +178,11 @@ impl RoutedExperts {
             experts.w2_scale.extend(s);
         }
         Ok(experts)
+    }
+
+    /// These experts' id.
+    pub fn id(&self) -> WeightId {
+        self.id
     }
 
     /// The borrowed view the MoE kernel takes.
@@ -246,7 +268,7 @@ impl Moe {
         let logits = ops.linear(&self.router, x)?;
         let routing: Routing = moe_int4::route(&logits, &self.bias, self.experts.count, self.top_k, self.scaling)?;
         let x16: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-        let mut out = ops.routed_experts(&x16, &routing, &self.experts.view())?;
+        let mut out = ops.routed_experts(&x16, &routing, &self.experts)?;
         if let Some(shared) = &self.shared {
             out.iter_mut().zip(shared.forward(ops, x)?).for_each(|(o, s)| *o += s);
         }

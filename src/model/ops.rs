@@ -6,9 +6,9 @@
 use half::bf16;
 
 use crate::cpu::mla::{self, MlaOutput, PagedCache};
-use crate::cpu::moe_int4::{self, Experts, Routing};
-use crate::error::{check_len, Result};
-use crate::model::layers::Linear;
+use crate::cpu::moe_int4::{self, Routing};
+use crate::error::Result;
+use crate::model::layers::{Linear, RoutedExperts};
 
 /// The operations a backend provides. Each must give a row's result independently of the other rows in
 /// the call (batch invariance, DESIGN.md §4.5).
@@ -21,7 +21,7 @@ pub trait Ops: Sync {
         -> Result<MlaOutput>;
 
     /// Routed INT4 experts of `x [T, H]` for a routing of the same tokens: `[T, H]`.
-    fn routed_experts(&self, x: &[bf16], routing: &Routing, experts: &Experts) -> Result<Vec<f32>>;
+    fn routed_experts(&self, x: &[bf16], routing: &Routing, experts: &RoutedExperts) -> Result<Vec<f32>>;
 }
 
 /// The CPU backend.
@@ -30,9 +30,7 @@ pub struct CpuOps;
 
 impl Ops for CpuOps {
     fn linear(&self, w: &Linear, x: &[f32]) -> Result<Vec<f32>> {
-        let tokens = x.len() / w.in_features().max(1);
-        check_len("x", x.len(), &[("T", tokens), ("in", w.in_features())])?;
-        Ok(w.forward_cpu(x))
+        w.forward_cpu(x)
     }
 
     fn attention(
@@ -46,7 +44,83 @@ impl Ops for CpuOps {
         mla::mla_decode(q, heads, cache, seq_len, scale)
     }
 
-    fn routed_experts(&self, x: &[bf16], routing: &Routing, experts: &Experts) -> Result<Vec<f32>> {
-        moe_int4::moe_int4(x, routing, experts)
+    fn routed_experts(&self, x: &[bf16], routing: &Routing, experts: &RoutedExperts) -> Result<Vec<f32>> {
+        moe_int4::moe_int4(x, routing, &experts.view())
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub use cuda_backend::CudaOps;
+
+#[cfg(feature = "cuda")]
+mod cuda_backend {
+    use std::collections::hash_map::Entry;
+    use std::collections::HashMap;
+    use std::sync::{Mutex, PoisonError};
+
+    use half::bf16;
+
+    use super::Ops;
+    use crate::cpu::mla::{MlaOutput, PagedCache};
+    use crate::cpu::moe_int4::Routing;
+    use crate::cuda::gemm_bf16::DeviceWeight;
+    use crate::cuda::moe_int4::DeviceExperts;
+    use crate::cuda::Gpu;
+    use crate::error::Result;
+    use crate::model::layers::{Linear, RoutedExperts, WeightId};
+
+    /// The CUDA backend: the fixed-order bf16 GEMM, the MLA kernels and the INT4 MoE kernels. Each weight
+    /// is uploaded on first use and kept on the device; activations and the KV cache travel with each
+    /// call (host in, host out), which keeps one model code path for both backends at the cost of
+    /// transfers that a device-resident step would not make.
+    pub struct CudaOps {
+        gpu: Gpu,
+        linears: Mutex<HashMap<WeightId, DeviceWeight>>,
+        experts: Mutex<HashMap<WeightId, DeviceExperts>>,
+    }
+
+    impl CudaOps {
+        /// A backend on `gpu`.
+        pub fn new(gpu: Gpu) -> Self {
+            CudaOps { gpu, linears: Mutex::default(), experts: Mutex::default() }
+        }
+
+        /// The device it runs on.
+        pub fn gpu(&self) -> &Gpu {
+            &self.gpu
+        }
+    }
+
+    impl Ops for CudaOps {
+        fn linear(&self, w: &Linear, x: &[f32]) -> Result<Vec<f32>> {
+            let mut cache = self.linears.lock().unwrap_or_else(PoisonError::into_inner);
+            let dev = match cache.entry(w.id()) {
+                Entry::Occupied(e) => e.into_mut(),
+                Entry::Vacant(e) => {
+                    e.insert(DeviceWeight::upload(&self.gpu, w.weight(), 1, w.out_features(), w.in_features())?)
+                }
+            };
+            self.gpu.gemm_bf16_on(dev, x)
+        }
+
+        fn attention(
+            &self,
+            q: &[bf16],
+            heads: usize,
+            cache: &PagedCache,
+            seq_len: &[i32],
+            scale: f32,
+        ) -> Result<MlaOutput> {
+            self.gpu.mla_decode(q, heads, cache, seq_len, scale)
+        }
+
+        fn routed_experts(&self, x: &[bf16], routing: &Routing, experts: &RoutedExperts) -> Result<Vec<f32>> {
+            let mut cache = self.experts.lock().unwrap_or_else(PoisonError::into_inner);
+            let dev = match cache.entry(experts.id()) {
+                Entry::Occupied(e) => e.into_mut(),
+                Entry::Vacant(e) => e.insert(DeviceExperts::upload(&self.gpu, &experts.view())?),
+            };
+            self.gpu.moe_int4_on(x, routing, dev)
+        }
     }
 }

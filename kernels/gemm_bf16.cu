@@ -1,0 +1,171 @@
+// Fixed-order bf16 GEMM for the model's dense projections (DESIGN.md §4.5): y[b][t][n] = Σ_k W[b][n][k] ·
+// x[b][t][k], with W bf16 `[batch, N, K]` in the checkpoint's row-major layout and x float32.
+//
+// Why not cuBLAS: its kernel choice (and so its reduction order) depends on the number of rows, so a
+// token's logits would change with the batch. Here every output element is computed by one fixed chain of
+// operations whatever T is:
+//   * x is split once into bf16 hi = rn(x) and lo = rn(x - hi) (gemm_split_bf16), so W·x is W·hi + W·lo:
+//     exact bf16 products summed in f32, within about 2^-17 of the float32 activations (a single bf16
+//     rounding of x would cost about 2^-9, a visible share of the model's tolerance);
+//   * "swap AB" mma.sync m16n8k16: 16 weight rows are A, 8 tokens are B, so the weight tile is staged once
+//     for all the CTA's tokens; each k16 step adds the hi product then the lo product;
+//   * K is cut into `ksplit` chunks chosen by the host from (N, K, batch) only, never from T; a chunk's
+//     partial is one warp's MMA chain over its k16 steps in order, and gemm_reduce adds the chunk partials
+//     in chunk order. The position of a token inside the tile does not matter: an MMA computes each output
+//     element from its own row and column.
+// CTA: 64 weight rows x 64 tokens, 8 warps as 4 row groups x 2 token halves; a 4-stage cp.async ring of
+// (W, x hi, x lo) tiles of 32 k. Rows past N and tokens past T are zero-filled and never written.
+#include "common.cuh"
+
+namespace kdt {
+namespace gemm {
+
+constexpr int TILE_N = 64;             // weight rows per CTA
+constexpr int TILE_T = 64;             // tokens per CTA
+constexpr int TILE_K = 32;             // k per stage
+constexpr int STAGES = 4;
+constexpr int THREADS = 256;
+constexpr int LD = TILE_K + 8;         // 80-byte rows: the 8 rows of an ldmatrix fall in distinct banks
+constexpr int PIECES = TILE_K / 8;     // 16-byte pieces per staged row
+
+struct Stage {
+    __nv_bfloat16 w[TILE_N][LD];
+    __nv_bfloat16 hi[TILE_T][LD];
+    __nv_bfloat16 lo[TILE_T][LD];
+};
+
+// Element strides of an operand: between consecutive tokens (or weight rows) and between batch entries.
+struct Operand {
+    long long row;
+    long long batch;
+};
+
+static_assert(TILE_N * PIECES == THREADS && TILE_T * PIECES == THREADS, "one piece of each tile per thread");
+
+// Stages the 32-k slice at `k0` of the CTA's weight rows and tokens. K, the row strides and the batch
+// strides are multiples of 8 elements (the host checks), so a 16-byte piece is wholly in or out of range;
+// pieces past N, T or the chunk's end read nothing (zero fill) from an in-range address.
+__device__ __forceinline__ void load_stage(Stage& s, const __nv_bfloat16* w, const __nv_bfloat16* hi,
+                                           const __nv_bfloat16* lo, Operand xs, int N, int T, int K, int k_end,
+                                           int n0, int t0, int k0) {
+    const int r = threadIdx.x / PIECES;
+    const int c = (threadIdx.x % PIECES) * 8;
+    const bool k_in = k0 + c < k_end;
+    const bool w_in = k_in && n0 + r < N;
+    const bool x_in = k_in && t0 + r < T;
+    cp_async16(&s.w[r][c], w + (w_in ? (long long)(n0 + r) * K + k0 + c : 0), w_in ? 16 : 0);
+    const long long xo = x_in ? (long long)(t0 + r) * xs.row + k0 + c : 0;
+    cp_async16(&s.hi[r][c], hi + xo, x_in ? 16 : 0);
+    cp_async16(&s.lo[r][c], lo + xo, x_in ? 16 : 0);
+}
+
+// One warp's 16 rows x 32 tokens over a staged slice: per k16 step the hi then the lo product.
+__device__ __forceinline__ void compute_stage(const Stage& s, int row0, int tok0, float (&acc)[4][4]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int kk = 0; kk < TILE_K; kk += 16) {
+        uint32_t a[4];
+        ldmatrix_x4(a, &s.w[row0 + (lane & 15)][kk + (lane >> 4) * 8]);
+#pragma unroll
+        for (int j = 0; j < 4; j += 2) {
+            const int tok = tok0 + (j + (lane >> 4)) * 8 + (lane & 7);
+            const int col = kk + ((lane >> 3) & 1) * 8;
+            uint32_t bh[4], bl[4];
+            ldmatrix_x4(bh, &s.hi[tok][col]);
+            ldmatrix_x4(bl, &s.lo[tok][col]);
+            mma_bf16(acc[j], a, bh[0], bh[1]);
+            mma_bf16(acc[j], a, bl[0], bl[1]);
+            mma_bf16(acc[j + 1], a, bh[2], bh[3]);
+            mma_bf16(acc[j + 1], a, bl[2], bl[3]);
+        }
+    }
+}
+
+// Grid: (ceil(N / 64), ceil(T / 64), batch * ksplit). z = b * ksplit + chunk. With ksplit 1 the CTA
+// writes y; otherwise it writes its chunk's partial to part[b][chunk][T][N] for gemm_reduce.
+__device__ void gemm(const __nv_bfloat16* __restrict__ w, long long w_batch, const __nv_bfloat16* __restrict__ hi,
+                     const __nv_bfloat16* __restrict__ lo, Operand xs, int N, int T, int K, int ksplit, int chunk,
+                     float* __restrict__ y, Operand ys, float* __restrict__ part) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    Stage* stages = reinterpret_cast<Stage*>(smem_raw);
+    const int b = blockIdx.z / ksplit, c = blockIdx.z % ksplit;
+    const int n0 = blockIdx.x * TILE_N, t0 = blockIdx.y * TILE_T;
+    const int k_begin = c * chunk, k_end = min(K, k_begin + chunk);
+    w += b * w_batch;
+    hi += b * xs.batch;
+    lo += b * xs.batch;
+    const int tiles = (k_end - k_begin + TILE_K - 1) / TILE_K;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < tiles) load_stage(stages[s], w, hi, lo, xs, N, T, K, k_end, n0, t0, k_begin + s * TILE_K);
+        cp_async_commit();
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row0 = (warp & 3) * 16, tok0 = (warp >> 2) * 32;
+    float acc[4][4] = {};
+    for (int i = 0; i < tiles; ++i) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        const int next = i + STAGES - 1;
+        if (next < tiles)
+            load_stage(stages[next % STAGES], w, hi, lo, xs, N, T, K, k_end, n0, t0, k_begin + next * TILE_K);
+        cp_async_commit();
+        compute_stage(stages[i % STAGES], row0, tok0, acc);
+    }
+    cp_async_wait<0>();
+
+    // Fragment (row g | g + 8, tokens 2q, 2q + 1) of each 8-token tile.
+    const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int n = n0 + row0 + g + (e >> 1) * 8;
+            const int t = t0 + tok0 + j * 8 + 2 * q + (e & 1);
+            if (n >= N || t >= T) continue;
+            if (ksplit == 1)
+                y[b * ys.batch + t * ys.row + n] = acc[j][e];
+            else
+                part[((long long)(b * ksplit + c) * T + t) * N + n] = acc[j][e];
+        }
+    }
+}
+
+}  // namespace gemm
+}  // namespace kdt
+
+extern "C" __global__ void __launch_bounds__(kdt::gemm::THREADS)
+    gemm_bf16(const __nv_bfloat16* __restrict__ w, long long w_batch, const __nv_bfloat16* __restrict__ hi,
+              const __nv_bfloat16* __restrict__ lo, long long x_row, long long x_batch, int N, int T, int K,
+              int ksplit, int chunk, float* __restrict__ y, long long y_row, long long y_batch,
+              float* __restrict__ part) {
+    kdt::gemm::gemm(w, w_batch, hi, lo, {x_row, x_batch}, N, T, K, ksplit, chunk, y, {y_row, y_batch}, part);
+}
+
+// y[b][t][n] = Σ over chunks in order of part[b][chunk][t][n]. One thread per output element.
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_reduce(const float* __restrict__ part, int batch, int ksplit, int T, int N, float* __restrict__ y,
+                long long y_row, long long y_batch) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long per_batch = (long long)T * N;
+    if (i >= per_batch * batch) return;
+    const int b = (int)(i / per_batch);
+    const long long tn = i % per_batch;
+    const float* p = part + (long long)b * ksplit * per_batch + tn;
+    float sum = p[0];
+    for (int c = 1; c < ksplit; ++c) sum += p[c * per_batch];
+    y[b * y_batch + (tn / N) * y_row + tn % N] = sum;
+}
+
+// hi = rn_bf16(x), lo = rn_bf16(x - hi) elementwise (x - hi is exact in f32).
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_split_bf16(const float* __restrict__ x, long long n, __nv_bfloat16* __restrict__ hi,
+                    __nv_bfloat16* __restrict__ lo) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float v = x[i];
+    const __nv_bfloat16 h = __float2bfloat16_rn(v);
+    hi[i] = h;
+    lo[i] = __float2bfloat16_rn(v - __bfloat162float(h));
+}

@@ -1,0 +1,148 @@
+//! The fixed-order bf16 GEMM (src/cpu/gemm_bf16.rs, kernels/gemm_bf16.cu): the CPU reference against exact
+//! integer arithmetic, the GPU against the CPU, batch invariance, strided batched operands, bad input.
+
+mod common;
+
+use half::bf16;
+use kdtree_engine::cpu::gemm_bf16::gemm_bf16;
+use kdtree_engine::Error;
+
+/// Weights and activations of small integers: every product and partial sum is exact in float32, so any
+/// summation order gives the integer result.
+fn integer_case(n: usize, k: usize, t: usize, seed: u64) -> (Vec<bf16>, Vec<f32>, Vec<f32>) {
+    let mut rng = common::xorshift(seed);
+    let w: Vec<i64> = (0..n * k).map(|_| (rng() % 15) as i64 - 7).collect();
+    let x: Vec<i64> = (0..t * k).map(|_| (rng() % 9) as i64 - 4).collect();
+    let y: Vec<f32> =
+        (0..t * n).map(|i| (0..k).map(|j| x[(i / n) * k + j] * w[(i % n) * k + j]).sum::<i64>() as f32).collect();
+    (w.iter().map(|&v| bf16::from_f32(v as f32)).collect(), x.iter().map(|&v| v as f32).collect(), y)
+}
+
+#[test]
+fn cpu_equals_exact_integer_products() {
+    for (n, k, t) in [(1, 1, 1), (3, 5, 2), (40, 64, 7), (130, 520, 3)] {
+        let (w, x, want) = integer_case(n, k, t, (n * k + t) as u64);
+        common::assert_bits(&format!("N {n} K {k} T {t}"), "y", &gemm_bf16(&w, n, k, &x).unwrap(), &want);
+    }
+}
+
+#[test]
+fn cpu_rejects_bad_shapes() {
+    let w = vec![bf16::ONE; 12];
+    assert!(matches!(gemm_bf16(&w, 3, 5, &[0.0; 5]), Err(Error::Shape { name: "w", .. })));
+    assert!(matches!(gemm_bf16(&w, 3, 4, &[0.0; 5]), Err(Error::Shape { name: "x", .. })));
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::*;
+    use kdtree_engine::cuda::gemm_bf16::{split_k, DeviceWeight, GemmPlan, Strides};
+
+    fn random_case(n: usize, k: usize, t: usize, seed: u64) -> (Vec<bf16>, Vec<f32>) {
+        let mut rng = common::xorshift(seed);
+        let mut uniform = move || (rng() >> 11) as f32 / (1u64 << 53) as f32 * 2.0 - 1.0;
+        let w = (0..n * k).map(|_| bf16::from_f32(uniform())).collect();
+        let x = (0..t * k).map(|_| 2.0 * uniform()).collect();
+        (w, x)
+    }
+
+    /// (N, K, T): tails of every tile, one and several K chunks, Kimi-K2's router and kv_a shapes.
+    const SHAPES: [(usize, usize, usize); 9] = [
+        (1, 8, 1),
+        (40, 64, 3),
+        (64, 32, 64),
+        (65, 40, 65),
+        (130, 520, 130),
+        (384, 7168, 1),
+        (576, 7168, 5),
+        (256, 128, 200),
+        (7168, 2048, 2),
+    ];
+
+    #[test]
+    fn gpu_equals_exact_integer_products() {
+        let Some(gpu) = common::gpu() else { return };
+        for (n, k, t) in SHAPES {
+            let (w, x, want) = integer_case(n, k, t, (n + k + t) as u64);
+            common::assert_bits(&format!("N {n} K {k} T {t}"), "y", &gpu.gemm_bf16(&w, n, k, &x).unwrap(), &want);
+        }
+    }
+
+    #[test]
+    fn gpu_matches_cpu_on_random_data() {
+        let Some(gpu) = common::gpu() else { return };
+        for (n, k, t) in SHAPES {
+            let (w, x) = random_case(n, k, t, (3 * n + k + t) as u64);
+            let want = gemm_bf16(&w, n, k, &x).unwrap();
+            let got = gpu.gemm_bf16(&w, n, k, &x).unwrap();
+            let err = common::rel_frobenius(&got, &want);
+            let ksplit = split_k(&DeviceWeight::upload(gpu, &w, 1, n, k).unwrap()).0;
+            println!("N {n} K {k} T {t} ({ksplit} K chunks): relative Frobenius error vs CPU {err:.2e}");
+            // x's bf16 hi + lo halves are within 2^-17 of x; the rest is float32 summation order.
+            assert!(err < 2e-5, "N {n} K {k} T {t}: error {err:.2e}");
+        }
+    }
+
+    #[test]
+    fn a_token_gives_the_same_bits_alone_and_in_a_batch() {
+        let Some(gpu) = common::gpu() else { return };
+        for (n, k) in [(576, 7168), (130, 520), (64, 32)] {
+            let (w, x) = random_case(n, k, 150, (n * k) as u64);
+            let weight = DeviceWeight::upload(gpu, &w, 1, n, k).unwrap();
+            let batch = gpu.gemm_bf16_on(&weight, &x).unwrap();
+            assert!(gpu.gemm_bf16_on(&weight, &x).unwrap() == batch, "N {n} K {k}: reruns differ");
+            for t in [0, 77, 149] {
+                let alone = gpu.gemm_bf16_on(&weight, &x[t * k..(t + 1) * k]).unwrap();
+                common::assert_bits(&format!("N {n} K {k} token {t}"), "y", &alone, &batch[t * n..(t + 1) * n]);
+            }
+        }
+    }
+
+    /// MLA's per-head products: 4 matrices `[24, 32]`, x the first 32 features of each head's 48 in
+    /// `[T, 4, 48]`, y each head's 24 outputs in `[T, 4, 40]`.
+    #[test]
+    fn strided_batched_operands_match_the_cpu_per_matrix() {
+        let Some(gpu) = common::gpu() else { return };
+        let (heads, n, k, t, x_head, y_head) = (4, 24, 32, 9, 48, 40);
+        let (w, x) = random_case(heads * n, k, t * heads * x_head / k, 11);
+        let weight = DeviceWeight::upload(gpu, &w, heads, n, k).unwrap();
+        let mut plan = GemmPlan::new(gpu, t, &[&weight]).unwrap();
+        let x_dev = gpu.upload(&x).unwrap();
+        let mut y_dev = gpu.zeros::<f32>(t * heads * y_head).unwrap();
+        let xs = Strides { row: heads * x_head, batch: x_head };
+        let ys = Strides { row: heads * y_head, batch: y_head };
+        plan.run(gpu, &weight, &x_dev.as_view(), xs, t, &mut y_dev.as_view_mut(), ys).unwrap();
+        let y = gpu.download(&y_dev).unwrap();
+        for h in 0..heads {
+            let xh: Vec<f32> = (0..t).flat_map(|r| x[r * xs.row + h * x_head..][..k].iter().copied()).collect();
+            let want = gemm_bf16(&w[h * n * k..(h + 1) * n * k], n, k, &xh).unwrap();
+            let got: Vec<f32> = (0..t).flat_map(|r| y[r * ys.row + h * y_head..][..n].iter().copied()).collect();
+            let err = common::rel_frobenius(&got, &want);
+            assert!(err < 2e-5, "head {h}: error {err:.2e}");
+        }
+        assert!(y.chunks(y_head).all(|row| row[n..].iter().all(|&v| v == 0.0)), "wrote past a head's outputs");
+    }
+
+    #[test]
+    fn bad_input_is_named() {
+        let Some(gpu) = common::gpu() else { return };
+        let w = vec![bf16::ONE; 3 * 12];
+        let err = DeviceWeight::upload(gpu, &w, 1, 3, 12).err().unwrap();
+        assert!(matches!(err, Error::Param { name: "in", .. }), "{err}");
+        let weight = DeviceWeight::upload(gpu, &w[..24], 1, 3, 8).unwrap();
+        assert!(matches!(gpu.gemm_bf16_on(&weight, &[0.0; 12]), Err(Error::Shape { name: "x", .. })));
+        let mut plan = GemmPlan::new(gpu, 2, &[&weight]).unwrap();
+        let x = gpu.zeros::<f32>(16).unwrap();
+        let mut y = gpu.zeros::<f32>(5).unwrap();
+        let err = plan
+            .run(gpu, &weight, &x.as_view(), Strides::dense(8), 2, &mut y.as_view_mut(), Strides::dense(3))
+            .err()
+            .unwrap();
+        assert!(matches!(err, Error::Shape { name: "y", .. }), "{err}");
+        let err = plan
+            .run(gpu, &weight, &x.as_view(), Strides { row: 6, batch: 0 }, 2, &mut y.as_view_mut(), Strides::dense(3))
+            .err()
+            .unwrap();
+        assert!(matches!(err, Error::Param { .. }), "{err}");
+    }
+}
