@@ -84,7 +84,7 @@ mod gpu {
     }
 
     #[test]
-    fn a_token_gives_the_same_bits_alone_and_in_a_batch() {
+    fn gpu_is_batch_invariant() {
         let Some(gpu) = common::gpu() else { return };
         for (n, k) in [(576, 7168), (130, 520), (64, 32)] {
             let (w, x) = random_case(n, k, 150, (n * k) as u64);

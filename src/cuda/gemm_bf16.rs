@@ -41,15 +41,15 @@ impl DeviceWeight {
     /// Uploads `w [batch, out, inp]`.
     pub fn upload(gpu: &Gpu, w: &[bf16], batch: usize, out: usize, inp: usize) -> Result<Self> {
         check_len("w", w.len(), &[("batch", batch), ("out", out), ("in", inp)])?;
-        if batch == 0 || out == 0 || inp == 0 {
-            return Err(Error::param("w", format!("[{batch}, {out}, {inp}]"), "every dimension must be >= 1"));
-        }
-        if !inp.is_multiple_of(ALIGN) {
-            return Err(Error::param("in", inp, format!("the bf16 GEMM needs in features divisible by {ALIGN}")));
-        }
-        to_i32("out", out)?;
-        to_i32("in", inp)?;
-        Ok(DeviceWeight { w: gpu.upload(w)?, batch, out, inp })
+        check_dims(batch, out, inp)?;
+        Self::from_device(gpu.upload(w)?, batch, out, inp)
+    }
+
+    /// Takes `w [batch, out, inp]` already on the device (made on the `Gpu` that will run it).
+    pub fn from_device(w: CudaSlice<bf16>, batch: usize, out: usize, inp: usize) -> Result<Self> {
+        check_len("w", w.len(), &[("batch", batch), ("out", out), ("in", inp)])?;
+        check_dims(batch, out, inp)?;
+        Ok(DeviceWeight { w, batch, out, inp })
     }
 
     /// Matrices in the weight.
@@ -258,6 +258,18 @@ impl GemmPlan {
         unsafe { launch.launch(cfg) }.map_err(|e| cuda_err("gemm_reduce launch", e))?;
         gpu.after_launch("gemm_reduce")
     }
+}
+
+fn check_dims(batch: usize, out: usize, inp: usize) -> Result<()> {
+    if batch == 0 || out == 0 || inp == 0 {
+        return Err(Error::param("w", format!("[{batch}, {out}, {inp}]"), "every dimension must be >= 1"));
+    }
+    if !inp.is_multiple_of(ALIGN) {
+        return Err(Error::param("in", inp, format!("the bf16 GEMM needs in features divisible by {ALIGN}")));
+    }
+    to_i32("out", out)?;
+    to_i32("in", inp)?;
+    Ok(())
 }
 
 /// An operand's rows must hold its features, and batch entries must not overlap.
