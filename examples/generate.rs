@@ -1,9 +1,11 @@
-//! Autoregressive generation on the CPU from a checkpoint directory: greedy, or temperature / top-p
-//! sampling with a seed. Prints the text as it is generated, then tokens per second.
+//! Autoregressive generation from a checkpoint directory, on the CPU or (with `--features cuda` and
+//! `--gpu`) the CUDA backend: greedy, or temperature / top-p sampling with a seed. Prints the text as it
+//! is generated, then tokens per second.
 //!
 //! ```text
 //! cargo run --release --example generate -- --prompt "The capital of France is"
 //! cargo run --release --example generate -- --chat --prompt "Hi!" --temperature 0.8 --top-p 0.9 --seed 7
+//! cargo run --release --features cuda --example generate -- --gpu --prompt "The capital of France is"
 //! ```
 //! The default model is the tiny random checkpoint in `fixtures/tiny_model` (its text is noise).
 
@@ -18,7 +20,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 #[derive(Parser, Debug)]
-#[command(about = "Generate text with a DeepSeek-V3 / Kimi-K2 checkpoint on the CPU")]
+#[command(about = "Generate text with a DeepSeek-V3 / Kimi-K2 checkpoint")]
 struct Args {
     /// Checkpoint directory: config.json, safetensors, tokenizer.json (+ tokenizer_config.json).
     #[arg(long, default_value = "fixtures/tiny_model")]
@@ -41,6 +43,23 @@ struct Args {
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Run on the CUDA backend (needs the `cuda` feature and a device).
+    #[arg(long)]
+    gpu: bool,
+}
+
+/// The model on the backend `--gpu` asks for.
+fn load(args: &Args) -> Result<Model> {
+    if !args.gpu {
+        return Model::load(&args.model);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let gpu = kdtree_engine::cuda::Gpu::new(0)?;
+        Model::load_on(&args.model, Box::new(kdtree_engine::model::ops::CudaOps::new(gpu)))
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(Error::param("--gpu", true, "this build has no CUDA backend: build with `--features cuda`"))
 }
 
 fn main() -> Result<()> {
@@ -53,7 +72,7 @@ fn main() -> Result<()> {
         ));
     }
     let tokenizer = Tokenizer::from_dir(&args.model)?;
-    let model = Model::load(&args.model)?;
+    let model = load(&args)?;
     let text = if args.chat {
         tokenizer.apply_chat_template(&[ChatMessage::new("user", &args.prompt)], true)?
     } else {

@@ -13,26 +13,15 @@
 //     partial is one warp's MMA chain over its k16 steps in order, and gemm_reduce adds the chunk partials
 //     in chunk order. The position of a token inside the tile does not matter: an MMA computes each output
 //     element from its own row and column.
-// CTA: 64 weight rows x 64 tokens, 8 warps as 4 row groups x 2 token halves; a 4-stage cp.async ring of
-// (W, x hi, x lo) tiles of 32 k. Rows past N and tokens past T are zero-filled and never written.
+// Two tile shapes (Narrow for a few tokens, Wide for many; see below) with a 4-stage cp.async ring of
+// (W, x hi, x lo) tiles. Rows past N and tokens past T are zero-filled and never written.
 #include "common.cuh"
 
 namespace kdt {
 namespace gemm {
 
-constexpr int TILE_N = 64;             // weight rows per CTA
-constexpr int TILE_T = 64;             // tokens per CTA
-constexpr int TILE_K = 32;             // k per stage
-constexpr int STAGES = 4;
 constexpr int THREADS = 256;
-constexpr int LD = TILE_K + 8;         // 80-byte rows: the 8 rows of an ldmatrix fall in distinct banks
-constexpr int PIECES = TILE_K / 8;     // 16-byte pieces per staged row
-
-struct Stage {
-    __nv_bfloat16 w[TILE_N][LD];
-    __nv_bfloat16 hi[TILE_T][LD];
-    __nv_bfloat16 lo[TILE_T][LD];
-};
+constexpr int WARPS = THREADS / 32;
 
 // Element strides of an operand: between consecutive tokens (or weight rows) and between batch entries.
 struct Operand {
@@ -40,34 +29,65 @@ struct Operand {
     long long batch;
 };
 
-static_assert(TILE_N * PIECES == THREADS && TILE_T * PIECES == THREADS, "one piece of each tile per thread");
+// A CTA's tile: TILE_N weight rows x TILE_T tokens, staged TILE_K values of k at a time in a ring of
+// STAGES. The 8 warps split the rows into groups of 16 and the tokens into the remaining factor; every
+// warp runs all k16 steps of the chunk for its (16 rows, tokens) in order.
+template <int TILE_N_, int TILE_T_, int TILE_K_, int STAGES_>
+struct Shape {
+    static constexpr int TILE_N = TILE_N_, TILE_T = TILE_T_, TILE_K = TILE_K_, STAGES = STAGES_;
+    static constexpr int LD = TILE_K + 8;  // 16 B of padding: the 8 rows of an ldmatrix fall in distinct banks
+    static constexpr int PIECES = TILE_K / 8;  // 16-byte pieces per staged row
+    static constexpr int ROW_GROUPS = TILE_N / 16;
+    static constexpr int TOKEN_GROUPS = WARPS / ROW_GROUPS;
+    static constexpr int WARP_TOKENS = TILE_T / TOKEN_GROUPS;
+    static constexpr int N_TILES = WARP_TOKENS / 8;
+    static_assert(ROW_GROUPS * TOKEN_GROUPS == WARPS && N_TILES % 2 == 0, "warp grid");
 
-// Stages the 32-k slice at `k0` of the CTA's weight rows and tokens. K, the row strides and the batch
-// strides are multiples of 8 elements (the host checks), so a 16-byte piece is wholly in or out of range;
-// pieces past N, T or the chunk's end read nothing (zero fill) from an in-range address.
-__device__ __forceinline__ void load_stage(Stage& s, const __nv_bfloat16* w, const __nv_bfloat16* hi,
+    struct Stage {
+        __nv_bfloat16 w[TILE_N][LD];
+        __nv_bfloat16 hi[TILE_T][LD];
+        __nv_bfloat16 lo[TILE_T][LD];
+    };
+};
+
+// Narrow: a few tokens (decode), where the weight bytes are the cost: wide rows of k per stage and many
+// bytes in flight. Wide: many tokens, where each staged weight tile should feed more MMAs. Both run the
+// same per-element operations in the same order, so the host may pick either for any T.
+typedef Shape<128, 16, 64, 4> Narrow;
+typedef Shape<64, 64, 32, 4> Wide;
+
+// Stages the slice at `k0` of the CTA's weight rows and tokens. K, the row strides and the batch strides
+// are multiples of 8 elements and chunks of TILE_K (the host checks), so a 16-byte piece is wholly in or
+// out of range; pieces past N, T or the chunk's end read nothing (zero fill) from an in-range address.
+template <class S>
+__device__ __forceinline__ void load_stage(typename S::Stage& s, const __nv_bfloat16* w, const __nv_bfloat16* hi,
                                            const __nv_bfloat16* lo, Operand xs, int N, int T, int K, int k_end,
                                            int n0, int t0, int k0) {
-    const int r = threadIdx.x / PIECES;
-    const int c = (threadIdx.x % PIECES) * 8;
-    const bool k_in = k0 + c < k_end;
-    const bool w_in = k_in && n0 + r < N;
-    const bool x_in = k_in && t0 + r < T;
-    cp_async16(&s.w[r][c], w + (w_in ? (long long)(n0 + r) * K + k0 + c : 0), w_in ? 16 : 0);
-    const long long xo = x_in ? (long long)(t0 + r) * xs.row + k0 + c : 0;
-    cp_async16(&s.hi[r][c], hi + xo, x_in ? 16 : 0);
-    cp_async16(&s.lo[r][c], lo + xo, x_in ? 16 : 0);
+    for (int i = threadIdx.x; i < S::TILE_N * S::PIECES; i += THREADS) {
+        const int r = i / S::PIECES, c = (i % S::PIECES) * 8;
+        const bool in = k0 + c < k_end && n0 + r < N;
+        cp_async16(&s.w[r][c], w + (in ? (long long)(n0 + r) * K + k0 + c : 0), in ? 16 : 0);
+    }
+    for (int i = threadIdx.x; i < S::TILE_T * S::PIECES; i += THREADS) {
+        const int r = i / S::PIECES, c = (i % S::PIECES) * 8;
+        const bool in = k0 + c < k_end && t0 + r < T;
+        const long long xo = in ? (long long)(t0 + r) * xs.row + k0 + c : 0;
+        cp_async16(&s.hi[r][c], hi + xo, in ? 16 : 0);
+        cp_async16(&s.lo[r][c], lo + xo, in ? 16 : 0);
+    }
 }
 
-// One warp's 16 rows x 32 tokens over a staged slice: per k16 step the hi then the lo product.
-__device__ __forceinline__ void compute_stage(const Stage& s, int row0, int tok0, float (&acc)[4][4]) {
+// One warp's 16 rows x WARP_TOKENS over a staged slice: per k16 step the hi then the lo product.
+template <class S>
+__device__ __forceinline__ void compute_stage(const typename S::Stage& s, int row0, int tok0,
+                                              float (&acc)[S::N_TILES][4]) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int kk = 0; kk < TILE_K; kk += 16) {
+    for (int kk = 0; kk < S::TILE_K; kk += 16) {
         uint32_t a[4];
         ldmatrix_x4(a, &s.w[row0 + (lane & 15)][kk + (lane >> 4) * 8]);
 #pragma unroll
-        for (int j = 0; j < 4; j += 2) {
+        for (int j = 0; j < S::N_TILES; j += 2) {
             const int tok = tok0 + (j + (lane >> 4)) * 8 + (lane & 7);
             const int col = kk + ((lane >> 3) & 1) * 8;
             uint32_t bh[4], bl[4];
@@ -81,44 +101,47 @@ __device__ __forceinline__ void compute_stage(const Stage& s, int row0, int tok0
     }
 }
 
-// Grid: (ceil(N / 64), ceil(T / 64), batch * ksplit). z = b * ksplit + chunk. With ksplit 1 the CTA
-// writes y; otherwise it writes its chunk's partial to part[b][chunk][T][N] for gemm_reduce.
+// Grid: (ceil(N / TILE_N), ceil(T / TILE_T), batch * ksplit). z = b * ksplit + chunk. With ksplit 1 the
+// CTA writes y; otherwise it writes its chunk's partial to part[b][chunk][T][N] for gemm_reduce.
+template <class S>
 __device__ void gemm(const __nv_bfloat16* __restrict__ w, long long w_batch, const __nv_bfloat16* __restrict__ hi,
                      const __nv_bfloat16* __restrict__ lo, Operand xs, int N, int T, int K, int ksplit, int chunk,
                      float* __restrict__ y, Operand ys, float* __restrict__ part) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
+    typedef typename S::Stage Stage;
     Stage* stages = reinterpret_cast<Stage*>(smem_raw);
     const int b = blockIdx.z / ksplit, c = blockIdx.z % ksplit;
-    const int n0 = blockIdx.x * TILE_N, t0 = blockIdx.y * TILE_T;
+    const int n0 = blockIdx.x * S::TILE_N, t0 = blockIdx.y * S::TILE_T;
     const int k_begin = c * chunk, k_end = min(K, k_begin + chunk);
     w += b * w_batch;
     hi += b * xs.batch;
     lo += b * xs.batch;
-    const int tiles = (k_end - k_begin + TILE_K - 1) / TILE_K;
+    const int tiles = (k_end - k_begin + S::TILE_K - 1) / S::TILE_K;
 
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < tiles) load_stage(stages[s], w, hi, lo, xs, N, T, K, k_end, n0, t0, k_begin + s * TILE_K);
+    for (int s = 0; s < S::STAGES - 1; ++s) {
+        if (s < tiles) load_stage<S>(stages[s], w, hi, lo, xs, N, T, K, k_end, n0, t0, k_begin + s * S::TILE_K);
         cp_async_commit();
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row0 = (warp & 3) * 16, tok0 = (warp >> 2) * 32;
-    float acc[4][4] = {};
+    const int row0 = (warp % S::ROW_GROUPS) * 16, tok0 = (warp / S::ROW_GROUPS) * S::WARP_TOKENS;
+    float acc[S::N_TILES][4] = {};
     for (int i = 0; i < tiles; ++i) {
-        cp_async_wait<STAGES - 2>();
+        cp_async_wait<S::STAGES - 2>();
         __syncthreads();
-        const int next = i + STAGES - 1;
+        const int next = i + S::STAGES - 1;
         if (next < tiles)
-            load_stage(stages[next % STAGES], w, hi, lo, xs, N, T, K, k_end, n0, t0, k_begin + next * TILE_K);
+            load_stage<S>(stages[next % S::STAGES], w, hi, lo, xs, N, T, K, k_end, n0, t0,
+                          k_begin + next * S::TILE_K);
         cp_async_commit();
-        compute_stage(stages[i % STAGES], row0, tok0, acc);
+        compute_stage<S>(stages[i % S::STAGES], row0, tok0, acc);
     }
     cp_async_wait<0>();
 
     // Fragment (row g | g + 8, tokens 2q, 2q + 1) of each 8-token tile.
     const int g = lane >> 2, q = lane & 3;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < S::N_TILES; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int n = n0 + row0 + g + (e >> 1) * 8;
@@ -135,13 +158,18 @@ __device__ void gemm(const __nv_bfloat16* __restrict__ w, long long w_batch, con
 }  // namespace gemm
 }  // namespace kdt
 
-extern "C" __global__ void __launch_bounds__(kdt::gemm::THREADS)
-    gemm_bf16(const __nv_bfloat16* __restrict__ w, long long w_batch, const __nv_bfloat16* __restrict__ hi,
-              const __nv_bfloat16* __restrict__ lo, long long x_row, long long x_batch, int N, int T, int K,
-              int ksplit, int chunk, float* __restrict__ y, long long y_row, long long y_batch,
-              float* __restrict__ part) {
-    kdt::gemm::gemm(w, w_batch, hi, lo, {x_row, x_batch}, N, T, K, ksplit, chunk, y, {y_row, y_batch}, part);
-}
+#define KDT_GEMM_KERNEL(NAME, SHAPE)                                                                          \
+    extern "C" __global__ void __launch_bounds__(kdt::gemm::THREADS)                                          \
+        NAME(const __nv_bfloat16* __restrict__ w, long long w_batch, const __nv_bfloat16* __restrict__ hi,      \
+             const __nv_bfloat16* __restrict__ lo, long long x_row, long long x_batch, int N, int T, int K,     \
+             int ksplit, int chunk, float* __restrict__ y, long long y_row, long long y_batch,                  \
+             float* __restrict__ part) {                                                                        \
+        kdt::gemm::gemm<SHAPE>(w, w_batch, hi, lo, {x_row, x_batch}, N, T, K, ksplit, chunk, y, {y_row, y_batch}, \
+                               part);                                                                           \
+    }
+KDT_GEMM_KERNEL(gemm_bf16_narrow, kdt::gemm::Narrow)
+KDT_GEMM_KERNEL(gemm_bf16_wide, kdt::gemm::Wide)
+#undef KDT_GEMM_KERNEL
 
 // y[b][t][n] = Σ over chunks in order of part[b][chunk][t][n]. One thread per output element.
 extern "C" __global__ void __launch_bounds__(256)

@@ -30,8 +30,8 @@ mv gpu-pack/tiled/moe_int4 gpu-pack/tests/moe_int4_tiled
 cargo bench --no-default-features --features "$features,int4-tiled" --no-run --bench moe_int4 \
     --message-format=json | copy_executables gpu-pack/tiled bench
 mv gpu-pack/tiled/moe_int4 gpu-pack/benches/moe_int4_tiled && rmdir gpu-pack/tiled
-cargo build --release --features "$features" --example build_tree
-cp target/release/examples/build_tree gpu-pack/examples/
+cargo build --release --features "$features" --example build_tree --example generate
+cp target/release/examples/build_tree target/release/examples/generate gpu-pack/examples/
 strip gpu-pack/tests/* gpu-pack/benches/* gpu-pack/examples/*
 tar -cJf gpu-pack/bundle.tar.xz -C gpu-pack tests benches examples
 rm -rf gpu-pack/tests gpu-pack/benches gpu-pack/examples

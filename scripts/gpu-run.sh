@@ -20,11 +20,18 @@ note() { echo "$1" >>"$out/summary.txt"; }  # written as it goes, so a run cut s
 run_tests() {
     gpu-pack/examples/build_tree --gpu --budget 16 >"$logs/example-build_tree-gpu.log" 2>&1
     note "example build_tree --gpu: exit $? | $(head -1 "$logs/example-build_tree-gpu.log")"
+    for backend in cpu gpu; do
+        local flag=""
+        [ $backend = gpu ] && flag=--gpu
+        gpu-pack/examples/generate $flag --model fixtures/tiny_model --max-tokens 32 \
+            --prompt "The capital of France is" >"$logs/example-generate-$backend.log" 2>&1
+        note "example generate ($backend): exit $? | $(tail -c 300 "$logs/example-generate-$backend.log" | tr '\n' ' ')"
+    done
     for t in gpu-pack/tests/*; do
         local name log
         name=$(basename "$t")
         log="$logs/test-$name.log"
-        "$t" --test-threads 4 >"$log" 2>&1
+        "$t" --test-threads 4 --show-output >"$log" 2>&1
         note "test $name: exit $? | $(grep -h '^test result' "$log" | tail -1)"
     done
 }

@@ -13,19 +13,27 @@ use super::{check_aligned, cuda_err, to_i32, Gpu};
 use crate::error::{check_len, Error, Result};
 
 const THREADS: u32 = 256;
-/// Weight rows and tokens per CTA (kernels/gemm_bf16.cu).
-const TILE_N: usize = 64;
-const TILE_T: usize = 64;
-/// k per pipeline stage; split-K chunks are multiples of it.
-const TILE_K: usize = 32;
-/// Dynamic shared memory of `gemm_bf16`: 4 stages of (W, x hi, x lo) tiles of 64 rows x 40 bf16.
-pub(crate) const SHARED_BYTES: usize = 4 * 3 * 64 * 40 * 2;
-/// The split-K aims at this many CTAs at one token tile, so that a decode step streams the weight with
-/// the whole GPU ...
-const TARGET_CTAS: usize = 256;
+/// The two tile shapes of kernels/gemm_bf16.cu, `(weight rows, tokens, k per stage)`, both with 4 stages.
+/// They run the same operations per output element, so the choice by token count keeps batch invariance.
+const NARROW: (usize, usize, usize) = (128, 16, 64);
+const WIDE: (usize, usize, usize) = (64, 64, 32);
+const STAGES: usize = 4;
+/// Split-K chunks are multiples of both shapes' k per stage.
+const CHUNK_ALIGN: usize = 64;
+
+/// Dynamic shared memory of a tile shape: the ring of (W, x hi, x lo) tiles, rows padded by 8 bf16.
+const fn shared_bytes((rows, tokens, k): (usize, usize, usize)) -> usize {
+    STAGES * (rows + 2 * tokens) * (k + 8) * 2
+}
+/// Dynamic shared memory of `gemm_bf16_narrow` and `gemm_bf16_wide`.
+pub(crate) const NARROW_SHARED_BYTES: usize = shared_bytes(NARROW);
+pub(crate) const WIDE_SHARED_BYTES: usize = shared_bytes(WIDE);
+/// The split-K aims at this many narrow CTAs (two per SM of a 132-SM GPU), so that a decode step streams
+/// the weight with the whole GPU ...
+const TARGET_CTAS: usize = 264;
 /// ... without cutting K below this many values per chunk or into more chunks than this.
 const MIN_CHUNK: usize = 256;
-const MAX_SPLIT: usize = 8;
+const MAX_SPLIT: usize = 16;
 /// Activations and weights are staged in 16-byte pieces of 8 bf16: K and every stride must divide by 8.
 const ALIGN: usize = 8;
 
@@ -92,9 +100,9 @@ impl Strides {
 
 /// The split of K for a weight: `(chunks, chunk length)`, chosen from its shape alone.
 pub fn split_k(w: &DeviceWeight) -> (usize, usize) {
-    let tiles = w.out.div_ceil(TILE_N) * w.batch;
+    let tiles = w.out.div_ceil(NARROW.0) * w.batch;
     let wanted = TARGET_CTAS.div_ceil(tiles).clamp(1, MAX_SPLIT).min(w.inp.div_ceil(MIN_CHUNK).max(1));
-    let chunk = w.inp.div_ceil(wanted).div_ceil(TILE_K) * TILE_K;
+    let chunk = w.inp.div_ceil(wanted).div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN;
     (w.inp.div_ceil(chunk), chunk)
 }
 
@@ -172,7 +180,7 @@ impl GemmPlan {
             ));
         }
         let (ksplit, chunk) = split_k(w);
-        let t_tiles = tokens.div_ceil(TILE_T);
+        let t_tiles = tokens.div_ceil(NARROW.1);
         if t_tiles > 65_535 || w.batch * ksplit > 65_535 {
             return Err(Error::param("tokens", tokens, "too many tokens or matrices for one launch's grid"));
         }
@@ -209,16 +217,22 @@ impl GemmPlan {
     ) -> Result<()> {
         let (hi_ptr, _g) = self.hi.device_ptr(&gpu.stream);
         check_aligned("x (bf16 halves)", hi_ptr, 16)?;
+        let narrow = tokens <= NARROW.1;
+        let ((rows, tile_t, _), kernel, name) = if narrow {
+            (NARROW, &gpu.kernels.gemm_bf16_narrow, "gemm_bf16_narrow")
+        } else {
+            (WIDE, &gpu.kernels.gemm_bf16_wide, "gemm_bf16_wide")
+        };
         let cfg = LaunchConfig {
-            grid_dim: (w.out.div_ceil(TILE_N) as u32, tokens.div_ceil(TILE_T) as u32, (w.batch * ksplit) as u32),
+            grid_dim: (w.out.div_ceil(rows) as u32, tokens.div_ceil(tile_t) as u32, (w.batch * ksplit) as u32),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: SHARED_BYTES as u32,
+            shared_mem_bytes: if narrow { NARROW_SHARED_BYTES } else { WIDE_SHARED_BYTES } as u32,
         };
         let w_batch = (w.out * w.inp) as i64;
         let (x_row, x_batch, y_row, y_batch) = (xs.row as i64, xs.batch as i64, ys.row as i64, ys.batch as i64);
         let (n, t, k) = (w.out as i32, tokens as i32, w.inp as i32);
         let (ks, ch) = (ksplit as i32, chunk as i32);
-        let mut launch = gpu.stream.launch_builder(&gpu.kernels.gemm_bf16);
+        let mut launch = gpu.stream.launch_builder(kernel);
         launch
             .arg(&w.w)
             .arg(&w_batch)
@@ -235,8 +249,8 @@ impl GemmPlan {
             .arg(&y_row)
             .arg(&y_batch)
             .arg(&mut self.part);
-        unsafe { launch.launch(cfg) }.map_err(|e| cuda_err("gemm_bf16 launch", e))?;
-        gpu.after_launch("gemm_bf16")
+        unsafe { launch.launch(cfg) }.map_err(|e| cuda_err(name, e))?;
+        gpu.after_launch(name)
     }
 
     fn reduce(

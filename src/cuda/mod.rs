@@ -108,7 +108,8 @@ struct Kernels {
     int4_dequant_bf16: CudaFunction,
     mla_chunk: CudaFunction,
     mla_combine: CudaFunction,
-    gemm_bf16: CudaFunction,
+    gemm_bf16_narrow: CudaFunction,
+    gemm_bf16_wide: CudaFunction,
     gemm_reduce: CudaFunction,
     gemm_split_bf16: CudaFunction,
 }
@@ -135,7 +136,8 @@ impl Kernels {
             int4_dequant_bf16: f("int4_dequant_bf16")?,
             mla_chunk: f("mla_chunk")?,
             mla_combine: f("mla_combine")?,
-            gemm_bf16: f("gemm_bf16")?,
+            gemm_bf16_narrow: f("gemm_bf16_narrow")?,
+            gemm_bf16_wide: f("gemm_bf16_wide")?,
             gemm_reduce: f("gemm_reduce")?,
             gemm_split_bf16: f("gemm_split_bf16")?,
         })
@@ -206,13 +208,16 @@ impl Gpu {
                 mla::CHUNK_SHARED_BYTES as i32,
             )
             .map_err(|e| cuda_err("mla_chunk shared memory attribute", e))?;
-        kernels
-            .gemm_bf16
-            .set_attribute(
+        for (f, bytes) in [
+            (&kernels.gemm_bf16_narrow, gemm_bf16::NARROW_SHARED_BYTES),
+            (&kernels.gemm_bf16_wide, gemm_bf16::WIDE_SHARED_BYTES),
+        ] {
+            f.set_attribute(
                 sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                gemm_bf16::SHARED_BYTES as i32,
+                bytes as i32,
             )
             .map_err(|e| cuda_err("gemm_bf16 shared memory attribute", e))?;
+        }
         // A stream of our own (not the legacy default stream), so that launches can be captured in graphs.
         let stream = ctx.new_stream().map_err(|e| cuda_err("new_stream", e))?;
         Ok(Gpu { ctx, stream, kernels })
