@@ -2,6 +2,7 @@
 # Runs on the GPU machine from the repository root, after scripts/gpu-pack.sh built gpu-pack/ here:
 # every GPU test, compute-sanitizer memcheck and racecheck over the fixture tests, then the benches.
 # Logs and the criterion results go under $OUT (default ./gpu-out); a short table is printed last.
+# TESTS="gpu-pack/tests/NAME ..." limits the tests step to those binaries.
 # Usage: scripts/gpu-run.sh [tests|sanitize|sanitize:NAME|profile|profile:moe|bench|bench:NAME]...
 #        (default: tests sanitize bench)
 set -uo pipefail
@@ -27,7 +28,7 @@ run_tests() {
             --prompt "The capital of France is" >"$logs/example-generate-$backend.log" 2>&1
         note "example generate ($backend): exit $? | $(tail -c 300 "$logs/example-generate-$backend.log" | tr '\n' ' ')"
     done
-    for t in gpu-pack/tests/*; do
+    for t in ${TESTS:-gpu-pack/tests/*}; do
         local name log
         name=$(basename "$t")
         log="$logs/test-$name.log"
