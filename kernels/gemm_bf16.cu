@@ -13,8 +13,8 @@
 //     partial is one warp's MMA chain over its k16 steps in order, and gemm_reduce adds the chunk partials
 //     in chunk order. The position of a token inside the tile does not matter: an MMA computes each output
 //     element from its own row and column.
-// Two tile shapes (Narrow for a few tokens, Wide for many; see below) with a 4-stage cp.async ring of
-// (W, x hi, x lo) tiles. Rows past N and tokens past T are zero-filled and never written.
+// Three tile shapes (Narrow and Medium for a few tokens, Wide for many; see below) with a cp.async ring
+// of (W, x hi, x lo) tiles. Rows past N and tokens past T are zero-filled and never written.
 #include "common.cuh"
 
 namespace kdt {
@@ -50,10 +50,12 @@ struct Shape {
     };
 };
 
-// Narrow: a few tokens (decode), where the weight bytes are the cost: wide rows of k per stage and many
-// bytes in flight. Wide: many tokens, where each staged weight tile should feed more MMAs. Both run the
-// same per-element operations in the same order, so the host may pick either for any T.
+// Narrow and Medium: up to 16 or 32 tokens (decode), where the weight bytes are the cost: wide rows of k
+// per stage and many bytes in flight (Medium has one stage less to fit its larger token tiles in 99 KB).
+// Wide: many tokens, where each staged weight tile should feed more MMAs. All run the same per-element
+// operations in the same order, so the host may pick any of them for any T.
 typedef Shape<128, 16, 64, 4> Narrow;
+typedef Shape<128, 32, 64, 3> Medium;
 typedef Shape<64, 64, 32, 4> Wide;
 
 // Stages the slice at `k0` of the CTA's weight rows and tokens. K, the row strides and the batch strides
@@ -168,6 +170,7 @@ __device__ void gemm(const __nv_bfloat16* __restrict__ w, long long w_batch, con
                                part);                                                                           \
     }
 KDT_GEMM_KERNEL(gemm_bf16_narrow, kdt::gemm::Narrow)
+KDT_GEMM_KERNEL(gemm_bf16_medium, kdt::gemm::Medium)
 KDT_GEMM_KERNEL(gemm_bf16_wide, kdt::gemm::Wide)
 #undef KDT_GEMM_KERNEL
 

@@ -46,9 +46,11 @@ mod gpu {
         (w, x)
     }
 
-    /// (N, K, T): tails of every tile, one and several K chunks, Kimi-K2's router and kv_a shapes.
-    const SHAPES: [(usize, usize, usize); 9] = [
+    /// (N, K, T): tails of every tile (of the three tile shapes), one and several K chunks, Kimi-K2's router
+    /// and kv_a shapes.
+    const SHAPES: [(usize, usize, usize); 10] = [
         (1, 8, 1),
+        (200, 96, 29),
         (40, 64, 3),
         (64, 32, 64),
         (65, 40, 65),
@@ -91,7 +93,10 @@ mod gpu {
             let weight = DeviceWeight::upload(gpu, &w, 1, n, k).unwrap();
             let batch = gpu.gemm_bf16_on(&weight, &x).unwrap();
             assert!(gpu.gemm_bf16_on(&weight, &x).unwrap() == batch, "N {n} K {k}: reruns differ");
-            for t in [0, 77, 149] {
+            // Alone (narrow tiles), inside the first 24 tokens (medium tiles) and inside all 150 (wide tiles).
+            let first = gpu.gemm_bf16_on(&weight, &x[..24 * k]).unwrap();
+            common::assert_bits(&format!("N {n} K {k} 24 tokens"), "y", &first, &batch[..24 * n]);
+            for t in [0, 23, 77, 149] {
                 let alone = gpu.gemm_bf16_on(&weight, &x[t * k..(t + 1) * k]).unwrap();
                 common::assert_bits(&format!("N {n} K {k} token {t}"), "y", &alone, &batch[t * n..(t + 1) * n]);
             }

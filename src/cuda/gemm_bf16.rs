@@ -13,21 +13,36 @@ use super::{check_aligned, cuda_err, to_i32, Gpu};
 use crate::error::{check_len, Error, Result};
 
 const THREADS: u32 = 256;
-/// The two tile shapes of kernels/gemm_bf16.cu, `(weight rows, tokens, k per stage)`, both with 4 stages.
-/// They run the same operations per output element, so the choice by token count keeps batch invariance.
-const NARROW: (usize, usize, usize) = (128, 16, 64);
-const WIDE: (usize, usize, usize) = (64, 64, 32);
-const STAGES: usize = 4;
-/// Split-K chunks are multiples of both shapes' k per stage.
-const CHUNK_ALIGN: usize = 64;
-
-/// Dynamic shared memory of a tile shape: the ring of (W, x hi, x lo) tiles, rows padded by 8 bf16.
-const fn shared_bytes((rows, tokens, k): (usize, usize, usize)) -> usize {
-    STAGES * (rows + 2 * tokens) * (k + 8) * 2
+/// A tile shape of kernels/gemm_bf16.cu. All shapes run the same operations per output element, so the
+/// choice by token count keeps batch invariance.
+struct TileShape {
+    name: &'static str,
+    rows: usize,
+    tokens: usize,
+    k: usize,
+    stages: usize,
 }
-/// Dynamic shared memory of `gemm_bf16_narrow` and `gemm_bf16_wide`.
-pub(crate) const NARROW_SHARED_BYTES: usize = shared_bytes(NARROW);
-pub(crate) const WIDE_SHARED_BYTES: usize = shared_bytes(WIDE);
+
+impl TileShape {
+    /// Dynamic shared memory: the ring of (W, x hi, x lo) tiles, rows padded by 8 bf16.
+    const fn shared_bytes(&self) -> usize {
+        self.stages * (self.rows + 2 * self.tokens) * (self.k + 8) * 2
+    }
+}
+
+/// The shapes from fewest to most tokens; a launch takes the first whose token tile holds all its tokens,
+/// else the last.
+const SHAPES: [TileShape; 3] = [
+    TileShape { name: "gemm_bf16_narrow", rows: 128, tokens: 16, k: 64, stages: 4 },
+    TileShape { name: "gemm_bf16_medium", rows: 128, tokens: 32, k: 64, stages: 3 },
+    TileShape { name: "gemm_bf16_wide", rows: 64, tokens: 64, k: 32, stages: 4 },
+];
+/// Split-K chunks are multiples of every shape's k per stage.
+const CHUNK_ALIGN: usize = 64;
+/// Dynamic shared memory of each kernel of [`SHAPES`], in order.
+pub(crate) const SHARED_BYTES: [usize; 3] =
+    [SHAPES[0].shared_bytes(), SHAPES[1].shared_bytes(), SHAPES[2].shared_bytes()];
+
 /// The split-K aims at this many narrow CTAs (two per SM of a 132-SM GPU), so that a decode step streams
 /// the weight with the whole GPU ...
 const TARGET_CTAS: usize = 264;
@@ -100,7 +115,7 @@ impl Strides {
 
 /// The split of K for a weight: `(chunks, chunk length)`, chosen from its shape alone.
 pub fn split_k(w: &DeviceWeight) -> (usize, usize) {
-    let tiles = w.out.div_ceil(NARROW.0) * w.batch;
+    let tiles = w.out.div_ceil(SHAPES[0].rows) * w.batch;
     let wanted = TARGET_CTAS.div_ceil(tiles).clamp(1, MAX_SPLIT).min(w.inp.div_ceil(MIN_CHUNK).max(1));
     let chunk = w.inp.div_ceil(wanted).div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN;
     (w.inp.div_ceil(chunk), chunk)
@@ -180,7 +195,7 @@ impl GemmPlan {
             ));
         }
         let (ksplit, chunk) = split_k(w);
-        let t_tiles = tokens.div_ceil(NARROW.1);
+        let t_tiles = tokens.div_ceil(SHAPES[0].tokens);
         if t_tiles > 65_535 || w.batch * ksplit > 65_535 {
             return Err(Error::param("tokens", tokens, "too many tokens or matrices for one launch's grid"));
         }
@@ -217,16 +232,16 @@ impl GemmPlan {
     ) -> Result<()> {
         let (hi_ptr, _g) = self.hi.device_ptr(&gpu.stream);
         check_aligned("x (bf16 halves)", hi_ptr, 16)?;
-        let narrow = tokens <= NARROW.1;
-        let ((rows, tile_t, _), kernel, name) = if narrow {
-            (NARROW, &gpu.kernels.gemm_bf16_narrow, "gemm_bf16_narrow")
-        } else {
-            (WIDE, &gpu.kernels.gemm_bf16_wide, "gemm_bf16_wide")
-        };
+        let i = SHAPES.iter().position(|s| tokens <= s.tokens).unwrap_or(SHAPES.len() - 1);
+        let (shape, kernel) = (&SHAPES[i], &gpu.kernels.gemm_bf16[i]);
         let cfg = LaunchConfig {
-            grid_dim: (w.out.div_ceil(rows) as u32, tokens.div_ceil(tile_t) as u32, (w.batch * ksplit) as u32),
+            grid_dim: (
+                w.out.div_ceil(shape.rows) as u32,
+                tokens.div_ceil(shape.tokens) as u32,
+                (w.batch * ksplit) as u32,
+            ),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: if narrow { NARROW_SHARED_BYTES } else { WIDE_SHARED_BYTES } as u32,
+            shared_mem_bytes: SHARED_BYTES[i] as u32,
         };
         let w_batch = (w.out * w.inp) as i64;
         let (x_row, x_batch, y_row, y_batch) = (xs.row as i64, xs.batch as i64, ys.row as i64, ys.batch as i64);
@@ -249,8 +264,8 @@ impl GemmPlan {
             .arg(&y_row)
             .arg(&y_batch)
             .arg(&mut self.part);
-        unsafe { launch.launch(cfg) }.map_err(|e| cuda_err(name, e))?;
-        gpu.after_launch(name)
+        unsafe { launch.launch(cfg) }.map_err(|e| cuda_err(shape.name, e))?;
+        gpu.after_launch(shape.name)
     }
 
     fn reduce(

@@ -108,8 +108,8 @@ struct Kernels {
     int4_dequant_bf16: CudaFunction,
     mla_chunk: CudaFunction,
     mla_combine: CudaFunction,
-    gemm_bf16_narrow: CudaFunction,
-    gemm_bf16_wide: CudaFunction,
+    /// The GEMM's tile shapes, in the order of `gemm_bf16::SHAPES`.
+    gemm_bf16: [CudaFunction; 3],
     gemm_reduce: CudaFunction,
     gemm_split_bf16: CudaFunction,
 }
@@ -136,8 +136,7 @@ impl Kernels {
             int4_dequant_bf16: f("int4_dequant_bf16")?,
             mla_chunk: f("mla_chunk")?,
             mla_combine: f("mla_combine")?,
-            gemm_bf16_narrow: f("gemm_bf16_narrow")?,
-            gemm_bf16_wide: f("gemm_bf16_wide")?,
+            gemm_bf16: [f("gemm_bf16_narrow")?, f("gemm_bf16_medium")?, f("gemm_bf16_wide")?],
             gemm_reduce: f("gemm_reduce")?,
             gemm_split_bf16: f("gemm_split_bf16")?,
         })
@@ -208,10 +207,7 @@ impl Gpu {
                 mla::CHUNK_SHARED_BYTES as i32,
             )
             .map_err(|e| cuda_err("mla_chunk shared memory attribute", e))?;
-        for (f, bytes) in [
-            (&kernels.gemm_bf16_narrow, gemm_bf16::NARROW_SHARED_BYTES),
-            (&kernels.gemm_bf16_wide, gemm_bf16::WIDE_SHARED_BYTES),
-        ] {
+        for (f, bytes) in kernels.gemm_bf16.iter().zip(gemm_bf16::SHARED_BYTES) {
             f.set_attribute(
                 sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes as i32,
