@@ -5,7 +5,7 @@
 // chunks of SPLIT rows; consecutive chunks form fold groups of FOLD. A row's result is a fixed two-level
 // fold: each group's chunk results (max, sum, unnormalized output) folded in chunk order from the
 // initial state, then the group states folded in group order (fold_ml / fold_o), then normalized.
-//   mla_chunk computes chunks for a tile of 16 query rows that share the chunk's key list, and either
+//   mla_chunk computes chunks for a tile of BM query rows that share the chunk's key list, and either
 //   writes each chunk's result to its scratch slot or (`fold`) computes a whole group's chunks in
 //   order and writes only the group state, folded with the same fold_ml / fold_o, to the group's
 //   first slot. Its three modes differ only in which rows and chunks a CTA takes:
@@ -28,10 +28,16 @@
 // Grids are sized from the run's max_seq_len (a host-known bound on every row's sequence), not the
 // plan's; a row past it is flagged (STATUS_TOO_LONG) and gets o = 0, lse = -inf.
 //
-// Inside a chunk, keys go through shared memory in sub-tiles of 16 (cp.async, 4 stages) with an online
-// softmax in base 2. S = Q.K^T uses mma.m16n8k16 bf16 with Q in registers: the 576 dims are cut into
-// four quarters of 144 whose partial sums are added in a fixed order. P.V rounds P to bf16 as a hi + lo
-// pair (two mmas), because a single bf16 P costs about 2e-3 relative error, the whole tolerance.
+// Inside a chunk, a CTA of 8 warps takes a tile of 16 query rows (one mma M tile; see MT for why not two)
+// and streams the chunk's keys through shared memory in sub-tiles of BK = 32 (cp.async, two stages, so
+// the next sub-tile lands while this one is used), with an online softmax in base 2 and three barriers
+// per sub-tile. S = Q.K^T uses mma.m16n8k16 bf16 with Q in registers: each warp owns one dim quarter
+// (144 dims) of the tile for two key n-tiles, and the four quarter partials are added in a fixed order
+// through shared memory. P.V rounds P to bf16 as a hi + lo pair (two mmas), because a single bf16 P
+// costs about 2e-3 relative error, the whole tolerance; each warp owns 64 output dims, so each V fragment
+// it loads feeds 4 * MT mmas. A row's arithmetic is the same in every mode and tile position: the
+// sub-tile borders sit at fixed keys of the chunk, a row's softmax always runs on 16 threads of 2 keys,
+// and every other step is per row or per (row, key) in a fixed order.
 #include "common.cuh"
 
 namespace kdt {
@@ -40,16 +46,34 @@ namespace mla {
 constexpr int LATENT = 512;
 constexpr int ROW = 576;             // elements of a query or cache row: [latent 512 | rope 64]
 constexpr int SPLIT = 256;           // visible rows per chunk (reference/README.md)
-constexpr int BM = 16;               // query rows per CTA: one mma M tile
-constexpr int BK = 16;               // keys per shared-memory sub-tile
-constexpr int STAGES = 4;            // cp.async pipeline depth
-constexpr int THREADS = 256;         // 8 warps
+constexpr int NT = 4;                // mma N tiles (8 keys each) of S per sub-tile
+constexpr int BK = 8 * NT;           // keys per shared-memory sub-tile
+constexpr int STAGES = 2;            // cp.async ring: the next sub-tile lands while this one is used
+constexpr int S_NT = 2;              // S n-tiles per warp
 constexpr int KV_STRIDE = ROW + 8;   // 16 B of padding per row: ldmatrix rows fall in distinct banks
-constexpr int P_STRIDE = 24;         // same for the 16x16 P tiles (48 B rows)
+constexpr int S_STRIDE = BK + 4;     // S partial rows of 144 B: aligned float2 reads, few store conflicts
+constexpr int P_STRIDE = BK + 8;     // P rows of 80 B: the 8 rows of an ldmatrix hit distinct banks
 constexpr int QUARTER = ROW / 4;     // dims per S partial sum
 constexpr int QUARTER_STEPS = QUARTER / 16;
 constexpr int PIECES = ROW * 2 / 16; // 16-byte cp.async pieces per row
-constexpr int WARP_DIMS = LATENT / (THREADS / 32);  // output dims per warp in P.V
+constexpr int ROW_THREADS = 16;      // softmax threads per query row
+constexpr int ROW_KEYS = BK / ROW_THREADS;  // keys per softmax thread
+
+// mma M tiles (16 query rows each) per CTA, 8 warps per M tile. Two (512 threads, 32 rows) share
+// each staged key between twice the mmas, but at the 128 registers that 512 threads allow a CTA
+// holds a whole SM, and on the H200 that was no faster for H 64 decodes (1-4%) and 7-14% slower for
+// tree prefixes than two one-tile CTAs per SM. The kernel holds for either (src/cuda/mla.rs mirrors
+// the block size, tile rows and shared memory).
+constexpr int MT = 1;
+constexpr int BM = 16 * MT;                    // query rows per CTA
+constexpr int THREADS = 256 * MT;
+constexpr int WARPS = THREADS / 32;
+constexpr int WARP_DIMS = LATENT / WARPS;      // output dims per warp in P.V
+constexpr int PV_NT = WARP_DIMS / 8;           // their n-tiles
+static_assert(WARPS == 4 * MT * (NT / S_NT), "S: one warp per (dim quarter, m-tile, S_NT n-tiles)");
+static_assert(PV_NT % 2 == 0, "P.V: V fragments come in pairs of n-tiles");
+static_assert(THREADS == BM * ROW_THREADS, "softmax: ROW_THREADS threads per row");
+static_assert(THREADS % BK == 0, "load_subtile: the same number of threads per key row");
 
 constexpr int FOLD = 4;              // chunks per fold group (see the top of the file)
 
@@ -65,12 +89,13 @@ constexpr float LN2 = 0.693147180559945309f;
 constexpr float LOG2E = 1.44269504088896341f;
 
 static_assert(QUARTER_STEPS == 9, "the S loop below issues four x4 and one x2 ldmatrix per quarter");
-static_assert(WARP_DIMS == 64, "P.V: each warp owns 8 n-tiles of output dims");
-static_assert(BM * BK == THREADS, "softmax: one thread per (row, key) of a sub-tile");
+static_assert(BK == 32, "P.V: two k-steps of 16 keys per sub-tile");
+static_assert(ROW_KEYS == 2 && ROW_THREADS == 16, "softmax: one float2 of keys per thread, 16 threads per row");
+static_assert(SPLIT % BK == 0, "a chunk is whole sub-tiles, so sub-tile borders sit at the same keys in every mode");
 
 struct Smem {
     __nv_bfloat16 kv[STAGES][BK][KV_STRIDE];  // key sub-tiles, whole cache rows
-    float s_part[4][BM][BK];                  // S partial sums of the four dim quarters
+    float s_part[4][BM][S_STRIDE];            // S partial sums of the four dim quarters
     __nv_bfloat16 p_hi[BM][P_STRIDE];         // P rounded to bf16 ...
     __nv_bfloat16 p_lo[BM][P_STRIDE];         // ... and the bf16 rounding of the remainder
     float alpha[BM];                          // per row: rescale of the running output
@@ -79,7 +104,9 @@ struct Smem {
     long long key_off[SPLIT];                 // element offset of each key row of the chunk in the cache
 };
 
-static_assert(sizeof(Smem) == 82624, "mirrored by CHUNK_SHARED_BYTES in src/cuda/mla.rs");
+// 99 KB is the most a block may take on sm_120; on sm_90 two blocks fit an SM.
+static_assert(sizeof(Smem) <= 99 * 1024, "shared memory budget");
+static_assert(sizeof(Smem) == 88768, "mirrored by CHUNK_SHARED_BYTES in src/cuda/mla.rs");
 
 // What one CTA computes: query rows [row0, row1) over chunk `chunk` of a sequence of `len` rows whose
 // first `prefix` are slots 0..prefix and whose rest are the tree rows set in `vis` (nullptr: none).
@@ -160,19 +187,21 @@ __device__ void build_key_list(Smem& s, const Task& t, const Pages& pg, int n_ro
 // Queues the cache rows of sub-tile `sub` into `stage`; keys past the chunk are zero-filled so that
 // their (zero) probabilities never meet stale or uninitialized values.
 __device__ __forceinline__ void load_subtile(Smem& s, const __nv_bfloat16* cache, int sub, int nkeys, int stage) {
-    for (int i = threadIdx.x; i < BK * PIECES; i += THREADS) {
-        const int k = i / PIECES, piece = i % PIECES;
-        const int key = sub * BK + k;
-        const bool valid = key < nkeys;
-        const __nv_bfloat16* src = cache + (valid ? s.key_off[key] + piece * 8 : 0);
-        cp_async16(&s.kv[stage][k][piece * 8], src, valid ? 16 : 0);
-    }
+    // LOAD_THREADS threads per key row: one key-offset lookup per thread, then consecutive pieces.
+    constexpr int LOAD_THREADS = THREADS / BK;
+    const int k = threadIdx.x / LOAD_THREADS, first = threadIdx.x % LOAD_THREADS;
+    const int key = sub * BK + k;
+    const bool valid = key < nkeys;
+    const __nv_bfloat16* src = cache + (valid ? s.key_off[key] : 0);
+#pragma unroll
+    for (int piece = first; piece < PIECES; piece += LOAD_THREADS)
+        cp_async16(&s.kv[stage][k][piece * 8], src + piece * 8, valid ? 16 : 0);
 }
 
-// Q fragments of this warp's dim quarter for the tile's rows g and g + 8 (zero past row1).
+// Q fragments of one dim quarter for the tile rows r and r + 8 (zero past row1).
 __device__ __forceinline__ void load_q(uint32_t (&qa)[QUARTER_STEPS][4], const __nv_bfloat16* q, const Task& t,
-                                       int quarter, int g, int tq) {
-    const int ra = t.row0 + g, rb = ra + 8;
+                                       int quarter, int r, int tq) {
+    const int ra = t.row0 + r, rb = ra + 8;
     const unsigned int* pa = reinterpret_cast<const unsigned int*>(q + (long long)min(ra, t.row1 - 1) * ROW);
     const unsigned int* pb = reinterpret_cast<const unsigned int*>(q + (long long)min(rb, t.row1 - 1) * ROW);
 #pragma unroll
@@ -185,98 +214,156 @@ __device__ __forceinline__ void load_q(uint32_t (&qa)[QUARTER_STEPS][4], const _
     }
 }
 
-// S partial sum of one dim quarter for one n-tile of 8 keys, chained over the quarter's 9 k-steps in
-// order, stored to s_part[quarter].
+// S partial sum of one dim quarter over one m-tile and S_NT n-tiles (from n-tile n0), each element chained
+// over the quarter's 9 k-steps in order; stored to s_part[quarter]. The n-tiles are interleaved so that
+// their accumulation chains overlap.
 __device__ __forceinline__ void scores(Smem& s, int stage, const uint32_t (&qa)[QUARTER_STEPS][4], int quarter,
-                                       int ntile, int lane) {
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    const __nv_bfloat16* row = &s.kv[stage][ntile * 8 + (lane & 7)][quarter * QUARTER];
+                                       int mtile, int n0, int lane) {
+    float acc[S_NT][4];
+#pragma unroll
+    for (int nt = 0; nt < S_NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    const __nv_bfloat16* base = &s.kv[stage][n0 * 8 + (lane & 7)][quarter * QUARTER + 8 * (lane >> 3)];
+    // The asm statements keep their order, so the fragments of step j + 2 are loaded before the mmas of
+    // step j: their latency hides behind those mmas.
+    uint32_t b[2][S_NT][4];
+#pragma unroll
+    for (int nt = 0; nt < S_NT; ++nt) ldmatrix_x4(b[0][nt], base + nt * 8 * KV_STRIDE);
 #pragma unroll
     for (int j = 0; j < QUARTER_STEPS - 1; j += 2) {
-        uint32_t b[4];
-        ldmatrix_x4(b, row + 16 * j + 8 * (lane >> 3));
-        mma_bf16(acc, qa[j], b[0], b[1]);
-        mma_bf16(acc, qa[j + 1], b[2], b[3]);
+        const int cur = (j / 2) & 1;
+        if (j + 2 < QUARTER_STEPS - 1) {
+#pragma unroll
+            for (int nt = 0; nt < S_NT; ++nt) ldmatrix_x4(b[cur ^ 1][nt], base + nt * 8 * KV_STRIDE + 16 * (j + 2));
+        } else {
+            // The last step takes dims 128..143 of the quarter: an x2 load (lanes 16..31 give no address).
+#pragma unroll
+            for (int nt = 0; nt < S_NT; ++nt) {
+                uint32_t last[2];
+                ldmatrix_x2(last, base - 16 * (lane >> 4) + nt * 8 * KV_STRIDE + 16 * (j + 2));
+                b[cur ^ 1][nt][0] = last[0];
+                b[cur ^ 1][nt][1] = last[1];
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < S_NT; ++nt) mma_bf16(acc[nt], qa[j], b[cur][nt][0], b[cur][nt][1]);
+#pragma unroll
+        for (int nt = 0; nt < S_NT; ++nt) mma_bf16(acc[nt], qa[j + 1], b[cur][nt][2], b[cur][nt][3]);
     }
-    uint32_t b[2];
-    ldmatrix_x2(b, row + 16 * (QUARTER_STEPS - 1) + 8 * ((lane >> 3) & 1));
-    mma_bf16(acc, qa[QUARTER_STEPS - 1], b[0], b[1]);
-    const int g = lane >> 2, col = ntile * 8 + 2 * (lane & 3);
-    *reinterpret_cast<float2*>(&s.s_part[quarter][g][col]) = make_float2(acc[0], acc[1]);
-    *reinterpret_cast<float2*>(&s.s_part[quarter][g + 8][col]) = make_float2(acc[2], acc[3]);
+#pragma unroll
+    for (int nt = 0; nt < S_NT; ++nt) mma_bf16(acc[nt], qa[QUARTER_STEPS - 1], b[0][nt][0], b[0][nt][1]);
+    const int g = 16 * mtile + (lane >> 2), col = 2 * (lane & 3);
+#pragma unroll
+    for (int nt = 0; nt < S_NT; ++nt) {
+        float* dst = &s.s_part[quarter][g][(n0 + nt) * 8 + col];
+        *reinterpret_cast<float2*>(dst) = make_float2(acc[nt][0], acc[nt][1]);
+        *reinterpret_cast<float2*>(dst + 8 * S_STRIDE) = make_float2(acc[nt][2], acc[nt][3]);
+    }
 }
 
-// Running max / sum of one row, replicated in the 16 threads (a half warp) that handle that row.
+// Running max / sum of one row, replicated in the ROW_THREADS threads that handle that row.
 struct RowState {
     float m;  // running max of the scores, base 2
     float l;  // running sum of 2^(score - m)
 };
 
-// Online softmax over sub-tile `sub`: one thread per (row, key); writes P (hi, lo) and the row's alpha.
+// Online softmax over sub-tile `sub`: thread (row, 2 consecutive keys); writes P (hi, lo) and the row's
+// alpha. The butterflies give every thread of a row the same max and sum (each step is commutative).
 __device__ __forceinline__ void softmax_step(Smem& s, int sub, int nkeys, float scale_log2, RowState& st) {
-    const int row = threadIdx.x >> 4, key = threadIdx.x & 15;
-    float acc = __fadd_rn(__fadd_rn(__fadd_rn(s.s_part[0][row][key], s.s_part[1][row][key]), s.s_part[2][row][key]),
-                          s.s_part[3][row][key]);
-    const float x = sub * BK + key < nkeys ? __fmul_rn(acc, scale_log2) : -INFINITY;
-    float mx = x;
+    const int row = threadIdx.x / ROW_THREADS, k0 = (threadIdx.x % ROW_THREADS) * ROW_KEYS;
+    float2 part[4];
 #pragma unroll
-    for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
+    for (int qr = 0; qr < 4; ++qr) part[qr] = *reinterpret_cast<const float2*>(&s.s_part[qr][row][k0]);
+    const float acc[ROW_KEYS] = {
+        __fadd_rn(__fadd_rn(__fadd_rn(part[0].x, part[1].x), part[2].x), part[3].x),
+        __fadd_rn(__fadd_rn(__fadd_rn(part[0].y, part[1].y), part[2].y), part[3].y)};
+    const int key0 = sub * BK + k0;
+    float x[ROW_KEYS];
+#pragma unroll
+    for (int j = 0; j < ROW_KEYS; ++j) x[j] = key0 + j < nkeys ? __fmul_rn(acc[j], scale_log2) : -INFINITY;
+    float mx = fmaxf(x[0], x[1]);
+#pragma unroll
+    for (int o = ROW_THREADS / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
     const float m_new = fmaxf(st.m, mx);
-    const float p = ex2(__fsub_rn(x, m_new));
-    // The butterfly gives every lane of the half warp the same sum (each addition is commutative).
-    float sum = p;
+    const float p0 = ex2(__fsub_rn(x[0], m_new)), p1 = ex2(__fsub_rn(x[1], m_new));
+    float sum = __fadd_rn(p0, p1);
 #pragma unroll
-    for (int o = 8; o > 0; o >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xFFFFFFFFu, sum, o));
+    for (int o = ROW_THREADS / 2; o > 0; o >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xFFFFFFFFu, sum, o));
     const float alpha = ex2(__fsub_rn(st.m, m_new));
     st.l = __fadd_rn(__fmul_rn(st.l, alpha), sum);
     st.m = m_new;
-    const __nv_bfloat16 hi = __float2bfloat16_rn(p);
-    s.p_hi[row][key] = hi;
-    s.p_lo[row][key] = __float2bfloat16_rn(__fsub_rn(p, __bfloat162float(hi)));
-    if (key == 0) s.alpha[row] = alpha;
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(p0, p1);
+    const float2 h = __bfloat1622float2(hi);
+    *reinterpret_cast<__nv_bfloat162*>(&s.p_hi[row][k0]) = hi;
+    *reinterpret_cast<__nv_bfloat162*>(&s.p_lo[row][k0]) = __floats2bfloat162_rn(__fsub_rn(p0, h.x), __fsub_rn(p1, h.y));
+    if (k0 == 0) s.alpha[row] = alpha;
 }
 
-// O = O * alpha + P_hi.V + P_lo.V for this warp's 64 output dims, in that order for every element.
-__device__ __forceinline__ void accumulate_pv(Smem& s, int stage, float (&o)[8][4], int warp, int lane) {
+// O = O * alpha + P_hi.V + P_lo.V over the sub-tile's two k-steps of 16 keys (in that order for every
+// element) for every m-tile and this warp's WARP_DIMS output dims: each V fragment feeds 4 * MT mmas.
+__device__ __forceinline__ void accumulate_pv(Smem& s, int stage, float (&o)[MT][PV_NT][4], int warp, int lane) {
+    constexpr int KS = BK / 16, PAIRS = PV_NT / 2;
     const int g = lane >> 2;
-    const float a0 = s.alpha[g], a1 = s.alpha[g + 8];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-        o[nt][0] = __fmul_rn(o[nt][0], a0);
-        o[nt][1] = __fmul_rn(o[nt][1], a0);
-        o[nt][2] = __fmul_rn(o[nt][2], a1);
-        o[nt][3] = __fmul_rn(o[nt][3], a1);
-    }
-    uint32_t ph[4], pl[4];
-    ldmatrix_x4(ph, &s.p_hi[lane & 15][8 * (lane >> 4)]);
-    ldmatrix_x4(pl, &s.p_lo[lane & 15][8 * (lane >> 4)]);
+    // Every fragment of the sub-tile is loaded first (the asm statements keep their order), so that the
+    // loads overlap each other and the rescale below instead of each waiting in front of its mmas.
+    uint32_t ph[KS][MT][4], pl[KS][MT][4], v[KS][PAIRS][4];
     const int vkey = (lane & 7) + 8 * ((lane >> 3) & 1);
 #pragma unroll
-    for (int pair = 0; pair < 4; ++pair) {
-        uint32_t v[4];
-        ldmatrix_x4_trans(v, &s.kv[stage][vkey][warp * WARP_DIMS + pair * 16 + 8 * (lane >> 4)]);
-        mma_bf16(o[2 * pair], ph, v[0], v[1]);
-        mma_bf16(o[2 * pair], pl, v[0], v[1]);
-        mma_bf16(o[2 * pair + 1], ph, v[2], v[3]);
-        mma_bf16(o[2 * pair + 1], pl, v[2], v[3]);
+    for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            ldmatrix_x4(ph[ks][mt], &s.p_hi[16 * mt + (lane & 15)][16 * ks + 8 * (lane >> 4)]);
+            ldmatrix_x4(pl[ks][mt], &s.p_lo[16 * mt + (lane & 15)][16 * ks + 8 * (lane >> 4)]);
+        }
+#pragma unroll
+        for (int pair = 0; pair < PAIRS; ++pair)
+            ldmatrix_x4_trans(v[ks][pair],
+                              &s.kv[stage][16 * ks + vkey][warp * WARP_DIMS + pair * 16 + 8 * (lane >> 4)]);
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const float a0 = s.alpha[16 * mt + g], a1 = s.alpha[16 * mt + g + 8];
+#pragma unroll
+        for (int nt = 0; nt < PV_NT; ++nt) {
+            o[mt][nt][0] = __fmul_rn(o[mt][nt][0], a0);
+            o[mt][nt][1] = __fmul_rn(o[mt][nt][1], a0);
+            o[mt][nt][2] = __fmul_rn(o[mt][nt][2], a1);
+            o[mt][nt][3] = __fmul_rn(o[mt][nt][3], a1);
+        }
+    }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+        for (int pair = 0; pair < PAIRS; ++pair) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_bf16(o[mt][2 * pair], ph[ks][mt], v[ks][pair][0], v[ks][pair][1]);
+                mma_bf16(o[mt][2 * pair + 1], ph[ks][mt], v[ks][pair][2], v[ks][pair][3]);
+                mma_bf16(o[mt][2 * pair], pl[ks][mt], v[ks][pair][0], v[ks][pair][1]);
+                mma_bf16(o[mt][2 * pair + 1], pl[ks][mt], v[ks][pair][2], v[ks][pair][3]);
+            }
+        }
     }
 }
 
 // Writes the chunk's partial results of the tile's valid rows to slot t.chunk: output, then (max, sum).
-__device__ __forceinline__ void store_partial(const Task& t, const float (&o)[8][4], const RowState& st, int warp,
-                                              int lane, int max_chunks, float* part_o, float* part_ml) {
+__device__ __forceinline__ void store_partial(const Task& t, const float (&o)[MT][PV_NT][4], const RowState& st,
+                                              int warp, int lane, int max_chunks, float* part_o, float* part_ml) {
     const int g = lane >> 2;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = t.row0 + g + 8 * half;
-        if (r >= t.row1) continue;
-        float* dst = part_o + ((long long)r * max_chunks + t.chunk) * LATENT + warp * WARP_DIMS + 2 * (lane & 3);
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-            *reinterpret_cast<float2*>(dst + 8 * nt) = make_float2(o[nt][2 * half], o[nt][2 * half + 1]);
+        for (int half = 0; half < 2; ++half) {
+            const int r = t.row0 + 16 * mt + g + 8 * half;
+            if (r >= t.row1) continue;
+            float* dst =
+                part_o + ((long long)r * max_chunks + t.chunk) * LATENT + warp * WARP_DIMS + 2 * (lane & 3);
+#pragma unroll
+            for (int nt = 0; nt < PV_NT; ++nt)
+                *reinterpret_cast<float2*>(dst + 8 * nt) = make_float2(o[mt][nt][2 * half], o[mt][nt][2 * half + 1]);
+        }
     }
-    const int r = t.row0 + (threadIdx.x >> 4);
-    if ((threadIdx.x & 15) == 0 && r < t.row1) {
+    const int r = t.row0 + threadIdx.x / ROW_THREADS;
+    if (threadIdx.x % ROW_THREADS == 0 && r < t.row1) {
         float* ml = part_ml + ((long long)r * max_chunks + t.chunk) * 2;
         ml[0] = st.m;
         ml[1] = st.l;
@@ -286,45 +373,50 @@ __device__ __forceinline__ void store_partial(const Task& t, const float (&o)[8]
 // Folds the chunk just computed (o, st) into the group state of the tile's valid rows kept in slot
 // `slot` (output in part_o, (max, sum) in `group`, replicated like RowState); `first`: the state is
 // the initial one (-inf, 0, 0), which is not read. Each thread reads back only the elements it wrote.
-__device__ __forceinline__ void fold_partial(Smem& s, const Task& t, const float (&o)[8][4], const RowState& st,
+__device__ __forceinline__ void fold_partial(Smem& s, const Task& t, const float (&o)[MT][PV_NT][4], const RowState& st,
                                              RowState& group, bool first, int slot, int warp, int lane,
                                              int max_chunks, float* part_o) {
     float a, b;
     fold_ml(group.m, group.l, st.m, st.l, a, b);
-    if ((threadIdx.x & 15) == 0) {
-        s.fold_a[threadIdx.x >> 4] = a;
-        s.fold_b[threadIdx.x >> 4] = b;
+    if (threadIdx.x % ROW_THREADS == 0) {
+        s.fold_a[threadIdx.x / ROW_THREADS] = a;
+        s.fold_b[threadIdx.x / ROW_THREADS] = b;
     }
     __syncthreads();  // fold factors visible; every thread is also done with the chunk's shared memory
     const int g = lane >> 2;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = t.row0 + g + 8 * half;
-        if (r >= t.row1) continue;
-        const float fa = s.fold_a[g + 8 * half], fb = s.fold_b[g + 8 * half];
-        float* dst = part_o + ((long long)r * max_chunks + slot) * LATENT + warp * WARP_DIMS + 2 * (lane & 3);
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-            float2 acc = make_float2(0.f, 0.f);
-            if (!first) acc = *reinterpret_cast<const float2*>(dst + 8 * nt);
-            acc.x = fold_o(acc.x, fa, o[nt][2 * half], fb);
-            acc.y = fold_o(acc.y, fa, o[nt][2 * half + 1], fb);
-            *reinterpret_cast<float2*>(dst + 8 * nt) = acc;
+        for (int half = 0; half < 2; ++half) {
+            const int tr = 16 * mt + g + 8 * half, r = t.row0 + tr;
+            if (r >= t.row1) continue;
+            const float fa = s.fold_a[tr], fb = s.fold_b[tr];
+            float* dst = part_o + ((long long)r * max_chunks + slot) * LATENT + warp * WARP_DIMS + 2 * (lane & 3);
+#pragma unroll
+            for (int nt = 0; nt < PV_NT; ++nt) {
+                float2 acc = make_float2(0.f, 0.f);
+                if (!first) acc = *reinterpret_cast<const float2*>(dst + 8 * nt);
+                acc.x = fold_o(acc.x, fa, o[mt][nt][2 * half], fb);
+                acc.y = fold_o(acc.y, fa, o[mt][nt][2 * half + 1], fb);
+                *reinterpret_cast<float2*>(dst + 8 * nt) = acc;
+            }
         }
     }
 }
 
 // The one routine that computes a chunk for a tile of query rows sharing its key list: leaves the
-// unnormalized output in o and the rows' (max, sum) in st.
+// unnormalized output in o and the rows' (max, sum) in row. Three barriers per sub-tile of BK keys:
+// the sub-tile has landed (and the previous one is released), the S partials are complete, P is complete.
 __device__ void process_chunk(Smem& s, const Task& t, const Pages& pg, int n_rows, const __nv_bfloat16* q,
-                              const __nv_bfloat16* cache, float scale, float (&o)[8][4], RowState& row,
+                              const __nv_bfloat16* cache, float scale, float (&o)[MT][PV_NT][4], RowState& row,
                               int* status) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int quarter = warp >> 1, ntile = warp & 1;
+    // S: warp = (quarter, m-tile, n-group); the Q fragments of its quarter and m-tile stay in registers.
+    const int quarter = warp / (WARPS / 4), mtile = warp / (NT / S_NT) % MT, n0 = warp % (NT / S_NT) * S_NT;
     const int nkeys = min(SPLIT, t.len - t.chunk * SPLIT);
     build_key_list(s, t, pg, n_rows, nkeys, status);
     uint32_t qa[QUARTER_STEPS][4];
-    load_q(qa, q, t, quarter, lane >> 2, lane & 3);
+    load_q(qa, q, t, quarter, 16 * mtile + (lane >> 2), lane & 3);
     const float scale_log2 = __fmul_rn(scale, LOG2E);
     __syncthreads();  // key_off is complete
 
@@ -335,7 +427,9 @@ __device__ void process_chunk(Smem& s, const Task& t, const Pages& pg, int n_row
         cp_async_commit();
     }
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < PV_NT; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.f;
     row = RowState{-INFINITY, 0.f};
     for (int sub = 0; sub < nsub; ++sub) {
         cp_async_wait<STAGES - 2>();
@@ -346,7 +440,7 @@ __device__ void process_chunk(Smem& s, const Task& t, const Pages& pg, int n_row
         if (next < nsub) load_subtile(s, cache, next, nkeys, next % STAGES);
         cp_async_commit();
         const int stage = sub % STAGES;
-        scores(s, stage, qa, quarter, ntile, lane);
+        scores(s, stage, qa, quarter, mtile, n0, lane);
         __syncthreads();
         softmax_step(s, sub, nkeys, scale_log2, row);
         __syncthreads();
@@ -367,7 +461,7 @@ using namespace kdt::mla;
 // `fold` (decode and prefix modes only; tail ignores it): z is a fold group instead of a chunk; the CTA
 // computes the group's chunks in order and folds them into one state in the group's first slot.
 // `visibility` is unused (may be null) in decode mode, where n_rows is 1.
-extern "C" __global__ void __launch_bounds__(THREADS, 2)
+extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)
     mla_chunk(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache,
               const int* __restrict__ block_table, const int* __restrict__ seq_len,
               const uint32_t* __restrict__ visibility, int mode, int fold, int num_pages, int page_size,
@@ -408,7 +502,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2)
     t.row0 += blockIdx.x * BM;
     const Pages pg{block_table + (long long)request * pages_per_req, pages_per_req, page_size, num_pages};
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float o[8][4];
+    float o[MT][PV_NT][4];
     RowState row;
     if (!folding) {
         process_chunk(s, t, pg, n_rows, q, cache, scale, o, row, status);
@@ -425,8 +519,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2)
         process_chunk(s, t, pg, n_rows, q, cache, scale, o, row, status);
         fold_partial(s, t, o, row, group, c == first, first, warp, lane, max_chunks, part_o);
     }
-    const int r = t.row0 + (threadIdx.x >> 4);
-    if ((threadIdx.x & 15) == 0 && r < t.row1) {
+    const int r = t.row0 + threadIdx.x / ROW_THREADS;
+    if (threadIdx.x % ROW_THREADS == 0 && r < t.row1) {
         float* ml = part_ml + ((long long)r * max_chunks + first) * 2;
         ml[0] = group.m;
         ml[1] = group.l;

@@ -30,11 +30,12 @@ const TAIL_CHUNKS: u32 = 2;
 /// Largest N (tree rows per request) `tree_verify` takes: budget 256 plus the root.
 pub const MAX_TREE_ROWS: usize = SPLIT + 1;
 
-/// Dynamic shared memory of `mla_chunk` (kernels/mla.cu `struct Smem`): 4 stages of 16 padded key
-/// rows, the four S partial tiles, P as bf16 hi and lo, the rescale and fold factors and the chunk's key
-/// offsets.
+/// Dynamic shared memory of `mla_chunk` (kernels/mla.cu `struct Smem`): 2 stages of 32 padded key
+/// rows, the four S partial tiles (16 rows of 36 floats), P as bf16 hi and lo (16 rows of 40), the
+/// rescale and fold factors and the chunk's key offsets: 88768 bytes, two CTAs per H200 SM and under the
+/// 99 KB a block may take on sm_120.
 pub(crate) const CHUNK_SHARED_BYTES: usize =
-    4 * 16 * (ROW + 8) * 2 + 4 * 16 * 16 * 4 + 2 * 16 * 24 * 2 + 3 * 16 * 4 + SPLIT * 8;
+    2 * 32 * (ROW + 8) * 2 + 4 * 16 * 36 * 4 + 2 * 16 * 40 * 2 + 3 * 16 * 4 + SPLIT * 8;
 /// Chunks per fold group (kernels/mla.cu FOLD).
 const FOLD: usize = 4;
 /// A decode or tree-prefix launch folds each group of [`FOLD`] chunks inside one CTA (writing one
