@@ -16,7 +16,7 @@
 
 mod common;
 
-use common::criterion;
+use common::{criterion, heap_visibility};
 use criterion::{BenchmarkId, Criterion};
 use half::bf16;
 use kdtree_engine::cpu::mla::{mla_decode, tree_verify, PagedCache, ROW};
@@ -24,25 +24,6 @@ use kdtree_engine::KvLayout;
 
 const PAGE: usize = 64;
 const SCALE: f32 = 0.130_860_8;
-
-/// A heap-shaped tree: row i's parent is (i - 1) / 2, so the deepest rows see 7 tree rows.
-fn heap_visibility(bs: usize, n: usize) -> Vec<u32> {
-    let w = n.div_ceil(32);
-    let mut vis = vec![0u32; bs * n * w];
-    for b in 0..bs {
-        for i in 0..n {
-            let mut j = i;
-            loop {
-                vis[(b * n + i) * w + j / 32] |= 1 << (j % 32);
-                if j == 0 {
-                    break;
-                }
-                j = (j - 1) / 2;
-            }
-        }
-    }
-    vis
-}
 
 fn layout(bs: usize, slots: usize) -> KvLayout {
     let pages_per_req = slots.div_ceil(PAGE);

@@ -41,6 +41,7 @@ mod kimi {
     use std::time::Duration;
 
     use crate::common::gpu::{time, time_direct};
+    use crate::common::heap_visibility;
 
     const HIDDEN: usize = 7168;
     const Q_LORA: usize = 1536;
@@ -156,25 +157,6 @@ mod kimi {
         moe: MoePlan,
         ew_src: CudaSlice<f32>,
         ew_dst: CudaSlice<f32>,
-    }
-
-    /// A heap-shaped tree: row i's parent is (i - 1) / 2.
-    fn heap_visibility(bs: usize, n: usize) -> Vec<u32> {
-        let w = n.div_ceil(32);
-        let mut vis = vec![0u32; bs * n * w];
-        for b in 0..bs {
-            for i in 0..n {
-                let mut j = i;
-                loop {
-                    vis[(b * n + i) * w + j / 32] |= 1 << (j % 32);
-                    if j == 0 {
-                        break;
-                    }
-                    j = (j - 1) / 2;
-                }
-            }
-        }
-        vis
     }
 
     impl Step {

@@ -45,6 +45,25 @@ pub fn random_logits(n: usize, row_len: usize, seed: u64) -> Vec<f32> {
     out
 }
 
+/// A heap-shaped tree: row i's parent is (i - 1) / 2, so the deepest rows see 7 tree rows.
+pub fn heap_visibility(bs: usize, n: usize) -> Vec<u32> {
+    let w = n.div_ceil(32);
+    let mut vis = vec![0u32; bs * n * w];
+    for b in 0..bs {
+        for i in 0..n {
+            let mut j = i;
+            loop {
+                vis[(b * n + i) * w + j / 32] |= 1 << (j % 32);
+                if j == 0 {
+                    break;
+                }
+                j = (j - 1) / 2;
+            }
+        }
+    }
+    vis
+}
+
 #[cfg(feature = "cuda")]
 pub mod gpu {
     use std::time::Duration;
