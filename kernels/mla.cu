@@ -111,7 +111,6 @@ static_assert(sizeof(Smem) == 88768, "mirrored by CHUNK_SHARED_BYTES in src/cuda
 // What one CTA computes: query rows [row0, row1) over chunk `chunk` of a sequence of `len` rows whose
 // first `prefix` are slots 0..prefix and whose rest are the tree rows set in `vis` (nullptr: none).
 struct Task {
-    int request;
     int row0, row1;
     int prefix;
     int len;
@@ -473,7 +472,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)
     const int prefix = max(seq_len[request], 0);
     const bool folding = fold != 0 && mode != MODE_TAIL;
     Task t;
-    t.request = request;
     t.prefix = prefix;
     t.vis = nullptr;
     int group_rows = heads;
