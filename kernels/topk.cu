@@ -1,22 +1,36 @@
 // Top-K with logsumexp over the vocabulary (DESIGN.md §4.1 step 1; exact contract in reference/README.md).
 //
-// Two launches. topk_chunk: one CTA per (chunk of 8192 logits, row) reads its chunk once, keeps it in
-// registers, writes the chunk's max, its exact fixed-point exp-sum and its K best composite keys (value
-// descending, index ascending; unordered). topk_merge: one CTA per row selects the K best of the chunks'
-// candidates, ranks them and combines the chunk sums into the row's lse.
+// Two launches. topk_chunk: one CTA of 256 threads per (chunk of 8192 logits, row) reads its chunk once
+// and keeps it in registers (32 values a thread). The chunk's max comes first; then each value's exact
+// fixed-point exp term, which is most of the work; the selection costs about two instructions a value: one
+// warp finds, from the maxima of the chunk's 512 groups of 16 values, a bound at or below the chunk's K-th
+// value (K group maxima reach it), every value is compared with it once, the few that pass (about K to 2K
+// on real logits) go to shared memory, and one warp picks the exact K best of those by a bitwise search
+// on their composite keys (value descending, index ascending). Rare chunks with more than CAP values at
+// the bound (many equal logits) select over the whole chunk instead. The chunk writes its max, exp-sum
+// and K best keys (unordered). topk_merge: one CTA per row selects the K best of the chunks' candidates
+// the same way, ranks them and combines the chunk sums into the row's lse.
 #include "common.cuh"
 
 namespace kdt {
 namespace topk {
 
-constexpr int THREADS = 512;
+constexpr int THREADS = 512;  // merge
 constexpr int CHUNK = 8192;
-constexpr int CHUNK_ITEMS = CHUNK / THREADS;  // per thread, in registers
+constexpr int CHUNK_THREADS = 256;
+constexpr int CHUNK_WARPS = CHUNK_THREADS / 32;
+constexpr int CHUNK_ITEMS = CHUNK / CHUNK_THREADS;  // per thread, in registers
+constexpr int GROUP_ITEMS = 16;
+constexpr int GROUPS = CHUNK / GROUP_ITEMS;
 constexpr int MERGE_ITEMS = 8;
 constexpr int MERGE_SLOTS = MERGE_ITEMS * THREADS;
 constexpr int MAX_K = 512;
-constexpr int CAP = 2048;  // candidates kept in shared memory; more take the register-resident path
-constexpr int CAP_ITEMS = CAP / THREADS;
+constexpr int CAP = 2048;  // candidates kept in shared memory; more take a slower path
+constexpr uint32_t NEG_INF_KEY = 0x007FFFFFu;  // order_key(-inf)
+constexpr unsigned FULL_MASK = 0xFFFFFFFFu;
+static_assert(GROUPS >= MAX_K, "K group maxima must exist for the chunk bound");
+static_assert(CAP >= MAX_K, "the slow path assumes more than K candidates");
+static_assert(CHUNK_ITEMS % GROUP_ITEMS == 0 && GROUP_ITEMS % 8 == 0, "groups are whole 16-byte vectors");
 
 typedef cub::BlockScan<unsigned int, THREADS> Scan;
 typedef cub::BlockReduce<u64, THREADS> ReduceU64;
@@ -56,35 +70,10 @@ __device__ __forceinline__ u64 block_sum(u64 v, SelectSmem& s) {
     return r;
 }
 
-// Key sources for the selection: item i of this thread as a composite u64 key (0 = empty slot).
-// Chunk keys keep only the 32-bit value key in registers and rebuild the index from the item position.
-template <typename T>
-__device__ __forceinline__ int item_index(int i);
-
-template <typename T, int ITEMS>
-struct ChunkKeys {
-    uint32_t value[ITEMS];
-    int base;
-    __device__ __forceinline__ u64 get(int i) const {
-        return value[i] == 0 ? 0ull : composite_key(value[i], (uint32_t)(base + item_index<T>(i)));
-    }
-};
-
 template <int ITEMS>
 struct PlainKeys {
     u64 key[ITEMS];
     __device__ __forceinline__ u64 get(int i) const { return key[i]; }
-};
-
-// Candidates gathered into shared memory: slot i * THREADS + tid of the first n.
-template <int ITEMS>
-struct SmemKeys {
-    const u64* buf;
-    unsigned int n;
-    __device__ __forceinline__ u64 get(int i) const {
-        unsigned int idx = i * THREADS + threadIdx.x;
-        return idx < n ? buf[idx] : 0ull;
-    }
 };
 
 // Radix select over distinct u64 keys held in registers (0 = empty). Among keys >= lo (lo > 0, at least K
@@ -182,64 +171,94 @@ __device__ unsigned int select_top(const Keys& keys, int k_wanted, u64 lo_hint, 
     return block_compact<ITEMS>(keys, lo, shift, t, false, out, s);
 }
 
-// A key L such that at least K non-empty keys are >= L (1 when there are fewer than K). Duplicates are
-// fine: only the bound matters, not which keys reach it.
-template <int ITEMS, typename Keys>
-__device__ u64 kth_lower_bound(const Keys& keys, int k_wanted, SelectSmem& s) {
-    u64 local_max = 0, local_min = ~0ull, local_n = 0;
+// max that returns NaN when either input is NaN (fmaxf would hide it), so NaN logits reach the status.
+__device__ __forceinline__ float max_nan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+__device__ __forceinline__ u64 warp_sum_u64(u64 v) {
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        u64 k = keys.get(i);
-        if (k != 0) {
-            local_max = max(local_max, k);
-            local_min = min(local_min, k);
-            ++local_n;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ u64 warp_min_u64(u64 v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+__device__ __forceinline__ u64 warp_max_u64(u64 v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+__device__ __forceinline__ int top_bit(uint32_t x) { return 31 - __clz((int)x); }
+__device__ __forceinline__ int top_bit(u64 x) { return 63 - __clzll((long long)x); }
+
+// The largest t with count(t) >= want, where count(t) is the number of keys >= t, found bit by bit below
+// the common prefix of lo and hi (the smallest and largest key, at least want keys in all). Bits below
+// stop_bit stay 0, which only lowers t. With exact, the search ends as soon as exactly want keys reach t;
+// for distinct keys and stop_bit 0 the result is then the want-th largest key either way. count must
+// return the same value to every caller.
+template <typename K, typename Count>
+__device__ __forceinline__ K search_kth(const Count& count, K lo, K hi, unsigned int want, int stop_bit, bool exact) {
+    if (lo == hi) return lo;
+    const int top = top_bit(lo ^ hi);
+    const int fixed = top + 1;  // bits at and above stay those of lo
+    K t = fixed >= (int)(8 * sizeof(K)) ? K(0) : (lo >> fixed) << fixed;
+    for (int b = top; b >= stop_bit; --b) {
+        const K c = t | (K(1) << b);
+        const unsigned int n = count(c);
+        if (n >= want) {
+            t = c;
+            if (exact && n == want) break;
         }
     }
-    u64 n = block_sum(local_n, s);
-    if (n < (u64)k_wanted) return 1;
-    u64 hi = block_max(local_max, s), lo = block_min(local_min, s);
-    if (n == (u64)k_wanted) return lo;
-    int shift;
-    u64 t;
-    block_select<ITEMS>(keys, k_wanted, lo, hi, s, shift, t);
-    return max(t, 1ull);
+    return t;
 }
 
-struct ChunkSmem {
-    SelectSmem sel;
-    u64 picked[MAX_K];
-    u64 cand[CAP];
-};
-
-// Copies the keys whose value part is >= lo_value (at least 1, so empty slots never pass) into buf
-// when they fit in CAP; returns their count.
-template <int ITEMS, typename Keys>
-__device__ unsigned int gather_candidates(const Keys& keys, uint32_t lo_value, u64* buf, SelectSmem& s) {
-    lo_value = max(lo_value, 1u);
-    unsigned int mine = 0;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) mine += keys.value[i] >= lo_value;
-    unsigned int offset, total;
-    Scan(s.scan).ExclusiveSum(mine, offset, total);
-    if (total <= (unsigned)CAP) {
-#pragma unroll
-        for (int i = 0; i < ITEMS; ++i)
-            if (keys.value[i] >= lo_value) buf[offset++] = keys.get(i);
+// One warp: writes the k largest of the n distinct keys in keys[] (0 never among them) to out[], unordered,
+// then zeros up to k when n < k. Returns how many keys it wrote and, in kth, the smallest of them when
+// that is k keys (else 1).
+__device__ unsigned int warp_select(const u64* keys, unsigned int n, int k, u64* out, u64& kth) {
+    const unsigned lane = threadIdx.x & 31;
+    u64 lo = ~0ull, hi = 0;
+    for (unsigned int i = lane; i < n; i += 32) {
+        const u64 x = keys[i];
+        lo = min(lo, x);
+        hi = max(hi, x);
     }
-    __syncthreads();
-    return total;
+    lo = warp_min_u64(lo);
+    hi = warp_max_u64(hi);
+    u64 t = lo;
+    if (n > (unsigned)k) {
+        auto count = [&](u64 c) {
+            unsigned int m = 0;
+            for (unsigned int i = lane; i < n; i += 32) m += keys[i] >= c;
+            return __reduce_add_sync(FULL_MASK, m);
+        };
+        t = search_kth(count, lo, hi, (unsigned)k, 0, true);
+    }
+    unsigned int written = 0;
+    for (unsigned int b = 0; b < n; b += 32) {
+        const unsigned int i = b + lane;
+        const u64 x = i < n ? keys[i] : 0ull;
+        const bool sel = i < n && x >= t;
+        const unsigned mask = __ballot_sync(FULL_MASK, sel);
+        if (sel) out[written + __popc(mask & ((1u << lane) - 1))] = x;
+        written += __popc(mask);
+    }
+    for (unsigned int i = written + lane; i < (unsigned)k; i += 32) out[i] = 0ull;
+    kth = written == (unsigned)k ? t : 1ull;
+    return written;
 }
 
-// The rare path (more than CAP candidates, e.g. many equal logits): radix select over all of the
-// chunk's keys. Not inlined, so that its register needs do not weigh on the common path.
-template <typename Keys>
-__device__ __noinline__ unsigned int select_top_fallback(const Keys& keys, int k_wanted, u64 lo_hint, u64* out,
-                                                         SelectSmem& s) {
-    return select_top<CHUNK_ITEMS>(keys, k_wanted, lo_hint, out, s);
-}
-
-// Loads item i of this thread: element (i * THREADS + tid) of the chunk, 16-byte vectors when aligned.
+// Loads item i of this thread: element ((i / VEC) * CHUNK_THREADS + tid) * VEC + i % VEC of the chunk,
+// 16-byte vectors when aligned; items past the chunk's end read as -inf.
 template <typename T>
 __device__ __forceinline__ void load_chunk(const T* __restrict__ row, int base, int len, bool vec_ok,
                                            float (&vals)[CHUNK_ITEMS]) {
@@ -248,7 +267,7 @@ __device__ __forceinline__ void load_chunk(const T* __restrict__ row, int base, 
     if (vec_ok && len == CHUNK) {
 #pragma unroll
         for (int v = 0; v < CHUNK_ITEMS / VEC; ++v) {
-            int e = (v * THREADS + tid) * VEC;
+            int e = (v * CHUNK_THREADS + tid) * VEC;
             uint4 raw = __ldcs(reinterpret_cast<const uint4*>(row + base + e));
             const T* x = reinterpret_cast<const T*>(&raw);
 #pragma unroll
@@ -259,7 +278,7 @@ __device__ __forceinline__ void load_chunk(const T* __restrict__ row, int base, 
         for (int v = 0; v < CHUNK_ITEMS / VEC; ++v)
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                int e = (v * THREADS + tid) * VEC + j;
+                int e = (v * CHUNK_THREADS + tid) * VEC + j;
                 vals[v * VEC + j] = e < len ? to_f32(row[base + e]) : -INFINITY;
             }
     }
@@ -269,83 +288,196 @@ __device__ __forceinline__ void load_chunk(const T* __restrict__ row, int base, 
 template <typename T>
 __device__ __forceinline__ int item_index(int i) {
     constexpr int VEC = 16 / sizeof(T);
-    return ((i / VEC) * THREADS + (int)threadIdx.x) * VEC + (i % VEC);
+    return ((i / VEC) * CHUNK_THREADS + (int)threadIdx.x) * VEC + (i % VEC);
+}
+
+struct ChunkSmem {
+    alignas(16) uint32_t group_key[GROUPS];  // order keys of the group maxima; 0 for groups past the chunk's end
+    float warp_max[CHUNK_WARPS];
+    u64 warp_sum[CHUNK_WARPS];
+    u64 warp_lo[CHUNK_WARPS], warp_hi[CHUNK_WARPS];
+    unsigned int warp_count[2][CHUNK_WARPS];
+    uint32_t bound;
+    int flags;
+    unsigned int count, taken;
+    u64 cand[CAP];
+};
+
+// Composite key of element e of the chunk (0 past its end), read again from memory: the slow path runs
+// too rarely for the chunk's registers to be worth keeping for it.
+template <typename T>
+__device__ __forceinline__ u64 chunk_key(const T* __restrict__ row, int base, int len, int e) {
+    return e < len ? composite_key(order_key(to_f32(row[base + e])), (uint32_t)(base + e)) : 0ull;
+}
+
+// The slow path: more than CAP values reached the bound. The whole CTA searches the K-th largest key of the
+// whole chunk (counting per bit with one barrier) and writes the K keys at or above it, unordered. len > CAP
+// >= K here, so exactly K keys are written.
+template <typename T>
+__device__ u64 chunk_select_all(const T* __restrict__ row, int base, int len, int k, u64* out,
+                                             ChunkSmem& sm) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u64 lo = ~0ull, hi = 0;
+    for (int e = threadIdx.x; e < len; e += CHUNK_THREADS) {
+        const u64 x = chunk_key(row, base, len, e);
+        lo = min(lo, x);
+        hi = max(hi, x);
+    }
+    lo = warp_min_u64(lo);
+    hi = warp_max_u64(hi);
+    if (lane == 0) {
+        sm.warp_lo[warp] = lo;
+        sm.warp_hi[warp] = hi;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < CHUNK_WARPS; ++w) {
+        lo = min(lo, sm.warp_lo[w]);
+        hi = max(hi, sm.warp_hi[w]);
+    }
+    int round = 0;
+    // Two count buffers in turn: a buffer is written again only after the barrier of the round between.
+    auto count = [&](u64 c) {
+        unsigned int m = 0;
+        for (int e = threadIdx.x; e < len; e += CHUNK_THREADS) m += chunk_key(row, base, len, e) >= c;
+        m = __reduce_add_sync(FULL_MASK, m);
+        unsigned int* slot = sm.warp_count[round & 1];
+        ++round;
+        if (lane == 0) slot[warp] = m;
+        __syncthreads();
+        unsigned int total = 0;
+#pragma unroll
+        for (int w = 0; w < CHUNK_WARPS; ++w) total += slot[w];
+        return total;
+    };
+    const u64 t = search_kth(count, lo, hi, (unsigned)k, 0, true);
+    for (int e = threadIdx.x; e < len; e += CHUNK_THREADS) {
+        const u64 x = chunk_key(row, base, len, e);
+        if (x >= t) out[atomicAdd(&sm.taken, 1u)] = x;
+    }
+    return t;
 }
 
 template <typename T>
 __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_wanted, u64* __restrict__ cand,
                              float* __restrict__ chunk_max, u64* __restrict__ chunk_sum,
                              u64* __restrict__ chunk_kth, int* __restrict__ chunk_flags) {
+    constexpr int VEC = 16 / sizeof(T);
     __shared__ ChunkSmem sm;
     const int chunk = blockIdx.x, row = blockIdx.y, chunks = gridDim.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int base = chunk * CHUNK;
     const int len = min(CHUNK, vocab - base);
     const T* row_ptr = logits + (size_t)row * vocab;
-    const bool vec_ok = (vocab % (16 / (int)sizeof(T))) == 0 && ((uintptr_t)logits % 16) == 0;
+    const bool vec_ok = (vocab % VEC) == 0 && ((uintptr_t)logits % 16) == 0;
 
-    float vals[CHUNK_ITEMS];  // items past the chunk's end read as -inf
+    float vals[CHUNK_ITEMS];
     load_chunk<T>(row_ptr, base, len, vec_ok, vals);
-    float vmax = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < CHUNK_ITEMS; ++i) vmax = fmaxf(vmax, vals[i]);  // NaN is caught by the keys below
-    const float m = key_value((uint32_t)block_max(order_key(vmax), sm.sel));
 
-    // One pass turns each value into its fixed-point exp term and its order key; the values die here.
-    ChunkKeys<T, CHUNK_ITEMS> keys;
-    keys.base = base;
+    // Group g of this thread is items [16g, 16g + 16): whole vectors, so its first element is that of its
+    // first item. Padding is -inf, so a group's max is that of its real values (if it has any).
+    float thread_max = -INFINITY;
+#pragma unroll
+    for (int g = 0; g < CHUNK_ITEMS / GROUP_ITEMS; ++g) {
+        float gm = vals[g * GROUP_ITEMS];
+#pragma unroll
+        for (int i = g * GROUP_ITEMS + 1; i < (g + 1) * GROUP_ITEMS; ++i) gm = max_nan(gm, vals[i]);
+        const bool real = item_index<T>(g * GROUP_ITEMS) < len;
+        sm.group_key[g * CHUNK_THREADS + tid] = real ? order_key(gm) : 0u;
+        thread_max = max_nan(thread_max, gm);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) thread_max = max_nan(thread_max, __shfl_xor_sync(FULL_MASK, thread_max, o));
+    if (lane == 0) sm.warp_max[warp] = thread_max;
+    __syncthreads();
+    float m = sm.warp_max[0];
+#pragma unroll
+    for (int w = 1; w < CHUNK_WARPS; ++w) m = max_nan(m, sm.warp_max[w]);
+    m = __fadd_rn(m, 0.0f);  // -0.0 reads as +0.0, as in the contract
+
     u64 local_sum = 0;
-    uint32_t kmin = ~0u;
+#pragma unroll
+    for (int i = 0; i < CHUNK_ITEMS; ++i) local_sum += lse_term(vals[i], m);
+    local_sum = warp_sum_u64(local_sum);
+    if (lane == 0) sm.warp_sum[warp] = local_sum;
+
+    if (warp == 0) {
+        // The bound: the K-th largest group max (its low 8 bits left 0, a negligible loosening), below the
+        // K-th value of the chunk since K distinct elements reach it. With fewer than K real groups every
+        // value is a candidate.
+        // Keys stay in shared memory (registers hold the chunk): four conflict-free 16-byte reads per lane.
+        const uint4* gk = reinterpret_cast<const uint4*>(sm.group_key);
+        constexpr int PER_LANE = GROUPS / 128;
+        unsigned int real = 0;
+        uint32_t lo = ~0u, hi = 0;
+#pragma unroll
+        for (int j = 0; j < PER_LANE; ++j) {
+            const uint4 q = gk[j * 32 + lane];
+            for (uint32_t x : {q.x, q.y, q.z, q.w}) {
+                real += x != 0;
+                lo = min(lo, x != 0 ? x : ~0u);
+                hi = max(hi, x);
+            }
+        }
+        real = __reduce_add_sync(FULL_MASK, real);
+        lo = __reduce_min_sync(FULL_MASK, lo);
+        hi = __reduce_max_sync(FULL_MASK, hi);
+        uint32_t bound = 0;
+        if (real >= (unsigned)k_wanted) {
+            auto count = [&](uint32_t c) {
+                unsigned int n = 0;
+#pragma unroll
+                for (int j = 0; j < PER_LANE; ++j) {
+                    const uint4 q = gk[j * 32 + lane];
+                    n += (q.x >= c) + (q.y >= c) + (q.z >= c) + (q.w >= c);
+                }
+                return __reduce_add_sync(FULL_MASK, n);
+            };
+            bound = search_kth(count, lo, hi, (unsigned)k_wanted, 8, false);
+        }
+        if (lane == 0) {
+            sm.bound = bound;
+            sm.flags = status_of_keys(hi, lo);  // the group maxima carry NaN and +inf (max_nan)
+            sm.count = 0;
+            sm.taken = 0;
+        }
+    }
+    __syncthreads();
+
+    // order_key(v) >= bound is v >= key_value(bound) for every non-NaN v, except for bounds at or below
+    // -inf's key (not floats, or -inf itself), where every value passes.
+    const uint32_t bound = sm.bound;
+    const float threshold = bound <= NEG_INF_KEY ? -INFINITY : key_value(bound);
 #pragma unroll
     for (int i = 0; i < CHUNK_ITEMS; ++i) {
-        local_sum += lse_term(vals[i], m);
-        uint32_t k = order_key(vals[i]);
-        kmin = min(kmin, k);
-        keys.value[i] = (len == CHUNK || item_index<T>(i) < len) ? k : 0u;
+        if (vals[i] >= threshold) {
+            const int e = item_index<T>(i);
+            if (e < len) {
+                const unsigned int at = atomicAdd(&sm.count, 1u);
+                if (at < (unsigned)CAP) sm.cand[at] = composite_key(order_key(vals[i]), (uint32_t)(base + e));
+            }
+        }
     }
-    const u64 sum = block_sum(local_sum, sm.sel);
+    __syncthreads();
+    const unsigned int n = sm.count;
 
-    // A lower bound for the chunk's K-th value: the K-th largest of G >= K group maxima (each a distinct
-    // element). Groups of 16 items (8 when K > 256) keep the bound tight, so only about K to 2K
-    // candidates reach the exact selection in shared memory.
-    PlainKeys<2> groups;
-    uint32_t kmax = 0;
-#pragma unroll
-    for (int g = 0; g < 2; ++g) {
-        uint32_t m8 = 0;
-#pragma unroll
-        for (int i = 8 * g; i < 8 * g + 8; ++i) m8 = max(m8, keys.value[i]);
-        groups.key[g] = (u64)m8 << 32;
-        kmax = max(kmax, m8);
-    }
-    const int flags = __syncthreads_or(status_of_keys(kmax, kmin));
-    if (k_wanted <= THREADS / 2) {
-        groups.key[0] = max(groups.key[0], groups.key[1]);
-        groups.key[1] = 0;
-    }
-    const u64 lo_hint = kth_lower_bound<2>(groups, k_wanted, sm.sel);
-
-    const unsigned int n_cand = gather_candidates<CHUNK_ITEMS>(keys, (uint32_t)(lo_hint >> 32), sm.cand, sm.sel);
-    unsigned int n;
-    if (n_cand <= (unsigned)CAP) {
-        SmemKeys<CAP_ITEMS> cand{sm.cand, n_cand};
-        n = select_top<CAP_ITEMS>(cand, k_wanted, 1, sm.picked, sm.sel);
-    } else {
-        n = select_top_fallback(keys, k_wanted, lo_hint, sm.picked, sm.sel);  // e.g. many equal logits
-    }
-    size_t slot = (size_t)row * chunks + chunk;
+    const size_t slot = (size_t)row * chunks + chunk;
     u64* out = cand + slot * k_wanted;
-    u64 local_kth = ~0ull;
-    for (unsigned int i = threadIdx.x; i < (unsigned)k_wanted; i += THREADS) {
-        u64 k = i < n ? sm.picked[i] : 0ull;  // 0 marks the unused tail for the merge
-        out[i] = k;
-        if (i < n) local_kth = min(local_kth, k);
+    u64 kth = 1;
+    if (n <= (unsigned)CAP) {
+        if (warp != 0) return;
+        warp_select(sm.cand, n, k_wanted, out, kth);
+    } else {
+        kth = chunk_select_all<T>(row_ptr, base, len, k_wanted, out, sm);
     }
-    u64 kth = block_min(local_kth, sm.sel);
-    if (threadIdx.x == 0) {
+    if (tid == 0) {
+        u64 sum = 0;
+#pragma unroll
+        for (int w = 0; w < CHUNK_WARPS; ++w) sum += sm.warp_sum[w];
         chunk_max[slot] = m;
         chunk_sum[slot] = sum;
-        chunk_kth[slot] = n == (unsigned)k_wanted ? kth : 1;
-        chunk_flags[slot] = flags;
+        chunk_kth[slot] = kth;
+        chunk_flags[slot] = sm.flags;
     }
 }
 
@@ -421,8 +553,12 @@ __device__ void merge_kernel(const u64* __restrict__ cand, const float* __restri
     unsigned int n_cand = gather_row_candidates(row_cand, total, lo_hint, sm.cand, sm.sel);
     unsigned int acc_n = 0;
     if (n_cand <= (unsigned)CAP) {
-        SmemKeys<CAP_ITEMS> keys{sm.cand, n_cand};
-        acc_n = select_top<CAP_ITEMS>(keys, k_wanted, 1, sm.acc, sm.sel);
+        if (threadIdx.x < 32) {
+            u64 kth;
+            warp_select(sm.cand, n_cand, k_wanted, sm.acc, kth);
+        }
+        acc_n = min(n_cand, (unsigned)k_wanted);
+        __syncthreads();
     } else {
         // Too many candidates for shared memory: fold them in register tiles, keeping the best K.
         for (int pos = 0; pos < total;) {
@@ -461,13 +597,13 @@ __device__ void merge_kernel(const u64* __restrict__ cand, const float* __restri
 }  // namespace topk
 }  // namespace kdt
 
-extern "C" __global__ void __launch_bounds__(kdt::topk::THREADS, 2)
+extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, 3)
     topk_chunk_f32(const float* logits, int vocab, int k, kdt::u64* cand, float* chunk_max, kdt::u64* chunk_sum,
                    kdt::u64* chunk_kth, int* chunk_flags) {
     kdt::topk::chunk_kernel<float>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags);
 }
 
-extern "C" __global__ void __launch_bounds__(kdt::topk::THREADS, 2)
+extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, 3)
     topk_chunk_bf16(const __nv_bfloat16* logits, int vocab, int k, kdt::u64* cand, float* chunk_max,
                     kdt::u64* chunk_sum, kdt::u64* chunk_kth, int* chunk_flags) {
     kdt::topk::chunk_kernel<__nv_bfloat16>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags);
