@@ -23,8 +23,10 @@ constexpr int CHUNK_ITEMS = CHUNK / CHUNK_THREADS;  // per thread, in registers
 constexpr int GROUP_ITEMS = 16;
 constexpr int GROUPS = CHUNK / GROUP_ITEMS;
 constexpr int MERGE_ITEMS = 8;
+constexpr int MERGE_REG = 16;  // chunk candidates per merge thread held in registers
 constexpr int MERGE_SLOTS = MERGE_ITEMS * THREADS;
 constexpr int MAX_K = 512;
+constexpr int MAX_CHUNKS = 64;  // V < 2^19 (reference/README.md)
 constexpr int CAP = 2048;  // candidates kept in shared memory; more take a slower path
 constexpr uint32_t NEG_INF_KEY = 0x007FFFFFu;  // order_key(-inf)
 constexpr unsigned FULL_MASK = 0xFFFFFFFFu;
@@ -69,12 +71,6 @@ __device__ __forceinline__ u64 block_sum(u64 v, SelectSmem& s) {
     __syncthreads();
     return r;
 }
-
-template <int ITEMS>
-struct PlainKeys {
-    u64 key[ITEMS];
-    __device__ __forceinline__ u64 get(int i) const { return key[i]; }
-};
 
 // Radix select over distinct u64 keys held in registers (0 = empty). Among keys >= lo (lo > 0, at least K
 // of them, all <= hi), finds (shift, T) such that exactly K keys k >= lo satisfy (k >> shift) >= (T >> shift).
@@ -221,40 +217,115 @@ __device__ __forceinline__ K search_kth(const Count& count, K lo, K hi, unsigned
     return t;
 }
 
-// One warp: writes the k largest of the n distinct keys in keys[] (0 never among them) to out[], unordered,
-// then zeros up to k when n < k. Returns how many keys it wrote and, in kth, the smallest of them when
-// that is k keys (else 1).
-__device__ unsigned int warp_select(const u64* keys, unsigned int n, int k, u64* out, u64& kth) {
-    const unsigned lane = threadIdx.x & 31;
-    u64 lo = ~0ull, hi = 0;
-    for (unsigned int i = lane; i < n; i += 32) {
-        const u64 x = keys[i];
-        lo = min(lo, x);
-        hi = max(hi, x);
+// A digit picked from a 256-bin histogram of keys (bin = digit): the digit d such that fewer than `need`
+// counted keys have a larger digit (above) and at least `need` have d or larger; in_digit is d's count.
+struct DigitPick {
+    unsigned int digit, above, in_digit;
+    bool found;  // false when fewer than `need` keys were counted
+};
+
+// Every warp reads the whole histogram and gets the same answer, so no barrier is needed to share it.
+__device__ __forceinline__ DigitPick pick_digit(const unsigned int* hist, unsigned int need) {
+    const int lane = threadIdx.x & 31;
+    const uint4 a = reinterpret_cast<const uint4*>(hist)[2 * lane];
+    const uint4 b = reinterpret_cast<const uint4*>(hist)[2 * lane + 1];
+    const unsigned int c[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    unsigned int mine = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) mine += c[j];
+    unsigned int incl = mine;  // this lane's bins and every larger digit
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned int y = __shfl_down_sync(FULL_MASK, incl, o);
+        if (lane + o < 32) incl += y;
     }
-    lo = warp_min_u64(lo);
-    hi = warp_max_u64(hi);
-    u64 t = lo;
-    if (n > (unsigned)k) {
-        auto count = [&](u64 c) {
-            unsigned int m = 0;
-            for (unsigned int i = lane; i < n; i += 32) m += keys[i] >= c;
-            return __reduce_add_sync(FULL_MASK, m);
-        };
-        t = search_kth(count, lo, hi, (unsigned)k, 0, true);
+    const unsigned int larger = incl - mine;
+    const bool here = larger < need && need <= incl;
+    const unsigned int ballot = __ballot_sync(FULL_MASK, here);
+    DigitPick p{0, 0, 0, ballot != 0};
+    if (ballot == 0) return p;
+    unsigned int digit = 0, above = larger, in_digit = 0;
+    if (here) {
+        bool done = false;
+#pragma unroll
+        for (int j = 7; j >= 0; --j) {
+            if (!done && above + c[j] >= need) {
+                digit = 8 * lane + j;
+                in_digit = c[j];
+                done = true;
+            }
+            if (!done) above += c[j];
+        }
     }
-    unsigned int written = 0;
-    for (unsigned int b = 0; b < n; b += 32) {
-        const unsigned int i = b + lane;
-        const u64 x = i < n ? keys[i] : 0ull;
-        const bool sel = i < n && x >= t;
-        const unsigned mask = __ballot_sync(FULL_MASK, sel);
-        if (sel) out[written + __popc(mask & ((1u << lane) - 1))] = x;
-        written += __popc(mask);
+    const int src = __ffs(ballot) - 1;
+    p.digit = __shfl_sync(FULL_MASK, digit, src);
+    p.above = __shfl_sync(FULL_MASK, above, src);
+    p.in_digit = __shfl_sync(FULL_MASK, in_digit, src);
+    return p;
+}
+
+// Keys held by the threads of a CTA, ITEMS each: key i of this thread, 0 for none.
+template <int ITEMS>
+struct PlainKeys {
+    u64 key[ITEMS];
+    __device__ __forceinline__ u64 get(int i) const { return key[i]; }
+};
+
+// The first n keys of a shared-memory buffer, slot i * NT + tid for item i of this thread.
+template <int NT, int ITEMS>
+struct SmemKeys {
+    const u64* buf;
+    unsigned int n;
+    __device__ __forceinline__ u64 get(int i) const {
+        const unsigned int idx = i * NT + threadIdx.x;
+        return idx < n ? buf[idx] : 0ull;
     }
-    for (unsigned int i = written + lane; i < (unsigned)k; i += 32) out[i] = 0ull;
-    kth = written == (unsigned)k ? t : 1ull;
-    return written;
+};
+
+// Radix select, 8 bits a round: the k-th largest of the distinct nonzero keys in [lo, hi] (more than k of
+// them), so that exactly k of those keys are >= the result. Every key has the bits same_bits where
+// same_mask is set (the high bits of the index part, from the index range); the rounds skip them, so
+// that ties in value cost one or two rounds on the index rather than four. hist: three 256-bin
+// histograms used in turn, the first zero on entry; each round zeroes the next one, which nobody reads
+// any more, so one barrier a round suffices. Keys above hi (only in rows with NaN, which are reported as
+// errors) can end the search early; the caller then caps what it writes.
+template <int NT, int ITEMS, typename Keys>
+__device__ u64 block_radix_kth(const Keys& keys, unsigned int k, u64 lo, u64 hi, u64 same_mask, u64 same_bits,
+                               unsigned int (*hist)[256]) {
+    int shift = lo == hi ? 0 : max(top_bit(lo ^ hi) - 7, 0);
+    int fixed = shift + 8;  // bits at and above are those of t; the last digit may overlap them
+    u64 t = fixed >= 64 ? 0ull : (lo >> fixed) << fixed;
+    unsigned int need = k;
+    for (int round = 0;; ++round) {
+        unsigned int* h = hist[round % 3];
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            const u64 x = keys.get(i);
+            if (x != 0 && x >= lo && shr64(x, fixed) == shr64(t, fixed)) atomicAdd(&h[(x >> shift) & 255], 1u);
+        }
+        if (threadIdx.x < 256) hist[(round + 1) % 3][threadIdx.x] = 0;
+        __syncthreads();
+        const DigitPick p = pick_digit(h, need);
+        if (!p.found) return t;
+        t |= (u64)p.digit << shift;
+        need -= p.above;
+        if (p.in_digit == need || shift == 0) return t;
+        // More than one key is left in the digit, so some bit below shift still differs between keys.
+        const u64 below = (1ull << shift) - 1;
+        const u64 free_bits = below & ~same_mask;
+        if (free_bits == 0) return t;
+        const int top = top_bit(free_bits);
+        t |= same_bits & same_mask & below & ~((2ull << top) - 1);
+        fixed = top + 1;
+        shift = max(top - 7, 0);
+    }
+}
+
+// The bits of the index part (~index) shared by every index in [first, last]: a mask and their values.
+__device__ __forceinline__ void index_bits(uint32_t first, uint32_t last, u64& same_mask, u64& same_bits) {
+    const uint32_t varying = first == last ? 0u : 0xFFFFFFFFu >> __clz((int)(first ^ last));
+    same_mask = (u64)(~varying);
+    same_bits = (u64)(~first);
 }
 
 // Loads item i of this thread: element ((i / VEC) * CHUNK_THREADS + tid) * VEC + i % VEC of the chunk,
@@ -292,13 +363,13 @@ __device__ __forceinline__ int item_index(int i) {
 }
 
 struct ChunkSmem {
-    alignas(16) uint32_t group_key[GROUPS];  // order keys of the group maxima; 0 for groups past the chunk's end
-    float warp_max[CHUNK_WARPS];
+    alignas(16) unsigned int bound_hist[2][256];  // the bound's two rounds
+    alignas(16) unsigned int select_hist[3][256];
+    uint32_t warp_lo[CHUNK_WARPS], warp_hi[CHUNK_WARPS];
+    unsigned int warp_real[CHUNK_WARPS];
     u64 warp_sum[CHUNK_WARPS];
-    u64 warp_lo[CHUNK_WARPS], warp_hi[CHUNK_WARPS];
+    u64 warp_lo64[CHUNK_WARPS], warp_hi64[CHUNK_WARPS];
     unsigned int warp_count[2][CHUNK_WARPS];
-    uint32_t bound;
-    int flags;
     unsigned int count, taken;
     u64 cand[CAP];
 };
@@ -314,8 +385,7 @@ __device__ __forceinline__ u64 chunk_key(const T* __restrict__ row, int base, in
 // whole chunk (counting per bit with one barrier) and writes the K keys at or above it, unordered. len > CAP
 // >= K here, so exactly K keys are written.
 template <typename T>
-__device__ u64 chunk_select_all(const T* __restrict__ row, int base, int len, int k, u64* out,
-                                             ChunkSmem& sm) {
+__device__ u64 chunk_select_all(const T* __restrict__ row, int base, int len, int k, u64* out, ChunkSmem& sm) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u64 lo = ~0ull, hi = 0;
     for (int e = threadIdx.x; e < len; e += CHUNK_THREADS) {
@@ -326,14 +396,14 @@ __device__ u64 chunk_select_all(const T* __restrict__ row, int base, int len, in
     lo = warp_min_u64(lo);
     hi = warp_max_u64(hi);
     if (lane == 0) {
-        sm.warp_lo[warp] = lo;
-        sm.warp_hi[warp] = hi;
+        sm.warp_lo64[warp] = lo;
+        sm.warp_hi64[warp] = hi;
     }
     __syncthreads();
 #pragma unroll
     for (int w = 0; w < CHUNK_WARPS; ++w) {
-        lo = min(lo, sm.warp_lo[w]);
-        hi = max(hi, sm.warp_hi[w]);
+        lo = min(lo, sm.warp_lo64[w]);
+        hi = max(hi, sm.warp_hi64[w]);
     }
     int round = 0;
     // Two count buffers in turn: a buffer is written again only after the barrier of the round between.
@@ -353,7 +423,10 @@ __device__ u64 chunk_select_all(const T* __restrict__ row, int base, int len, in
     const u64 t = search_kth(count, lo, hi, (unsigned)k, 0, true);
     for (int e = threadIdx.x; e < len; e += CHUNK_THREADS) {
         const u64 x = chunk_key(row, base, len, e);
-        if (x >= t) out[atomicAdd(&sm.taken, 1u)] = x;
+        if (x >= t) {
+            const unsigned int at = atomicAdd(&sm.taken, 1u);
+            if (at < (unsigned)k) out[at] = x;
+        }
     }
     return t;
 }
@@ -363,6 +436,7 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
                              float* __restrict__ chunk_max, u64* __restrict__ chunk_sum,
                              u64* __restrict__ chunk_kth, int* __restrict__ chunk_flags) {
     constexpr int VEC = 16 / sizeof(T);
+    constexpr int GROUPS_PER_THREAD = CHUNK_ITEMS / GROUP_ITEMS;
     __shared__ ChunkSmem sm;
     const int chunk = blockIdx.x, row = blockIdx.y, chunks = gridDim.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -370,91 +444,106 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
     const int len = min(CHUNK, vocab - base);
     const T* row_ptr = logits + (size_t)row * vocab;
     const bool vec_ok = (vocab % VEC) == 0 && ((uintptr_t)logits % 16) == 0;
+    const unsigned int k = (unsigned)k_wanted;
 
     float vals[CHUNK_ITEMS];
     load_chunk<T>(row_ptr, base, len, vec_ok, vals);
+    sm.bound_hist[0][tid] = 0;
+    sm.bound_hist[1][tid] = 0;
+    sm.select_hist[0][tid] = 0;
+    if (tid == 0) {
+        sm.count = 0;
+        sm.taken = 0;
+    }
 
     // Group g of this thread is items [16g, 16g + 16): whole vectors, so its first element is that of its
-    // first item. Padding is -inf, so a group's max is that of its real values (if it has any).
-    float thread_max = -INFINITY;
+    // first item. Padding is -inf, so a group's max is that of its real values (if it has any). The order
+    // keys of the group maxima give the chunk's max and, with max_nan, its NaN and +inf status.
+    float group_max[GROUPS_PER_THREAD];
+    uint32_t group_key[GROUPS_PER_THREAD];
+    uint32_t lo = ~0u, hi = 0;
+    unsigned int real = 0;
 #pragma unroll
-    for (int g = 0; g < CHUNK_ITEMS / GROUP_ITEMS; ++g) {
+    for (int g = 0; g < GROUPS_PER_THREAD; ++g) {
         float gm = vals[g * GROUP_ITEMS];
 #pragma unroll
         for (int i = g * GROUP_ITEMS + 1; i < (g + 1) * GROUP_ITEMS; ++i) gm = max_nan(gm, vals[i]);
-        const bool real = item_index<T>(g * GROUP_ITEMS) < len;
-        sm.group_key[g * CHUNK_THREADS + tid] = real ? order_key(gm) : 0u;
-        thread_max = max_nan(thread_max, gm);
+        group_max[g] = gm;
+        const bool is_real = item_index<T>(g * GROUP_ITEMS) < len;
+        group_key[g] = is_real ? order_key(gm) : 0u;
+        lo = min(lo, is_real ? group_key[g] : ~0u);
+        hi = max(hi, group_key[g]);
+        real += is_real;
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) thread_max = max_nan(thread_max, __shfl_xor_sync(FULL_MASK, thread_max, o));
-    if (lane == 0) sm.warp_max[warp] = thread_max;
+    lo = __reduce_min_sync(FULL_MASK, lo);
+    hi = __reduce_max_sync(FULL_MASK, hi);
+    real = __reduce_add_sync(FULL_MASK, real);
+    if (lane == 0) {
+        sm.warp_lo[warp] = lo;
+        sm.warp_hi[warp] = hi;
+        sm.warp_real[warp] = real;
+    }
     __syncthreads();
-    float m = sm.warp_max[0];
+    lo = sm.warp_lo[0];
+    hi = sm.warp_hi[0];
+    real = sm.warp_real[0];
 #pragma unroll
-    for (int w = 1; w < CHUNK_WARPS; ++w) m = max_nan(m, sm.warp_max[w]);
-    m = __fadd_rn(m, 0.0f);  // -0.0 reads as +0.0, as in the contract
+    for (int w = 1; w < CHUNK_WARPS; ++w) {
+        lo = min(lo, sm.warp_lo[w]);
+        hi = max(hi, sm.warp_hi[w]);
+        real += sm.warp_real[w];
+    }
+    const float m = key_value(hi);  // the chunk's max, -0.0 read as +0.0
+
+    // The bound, a key at or below the chunk's K-th value: the K-th largest group max (K distinct
+    // elements reach it), rounded down to a histogram bin of the group keys. With fewer than K real
+    // groups every value is a candidate. First round: the 8 bits below the common prefix of lo and hi.
+    const bool bounded = real >= k && lo != hi;
+    const int shift1 = bounded ? max(top_bit(lo ^ hi) - 7, 0) : 0;
+    if (bounded) {
+#pragma unroll
+        for (int g = 0; g < GROUPS_PER_THREAD; ++g)
+            if (group_key[g] != 0) atomicAdd(&sm.bound_hist[0][(group_key[g] >> shift1) & 255], 1u);
+    }
 
     u64 local_sum = 0;
 #pragma unroll
     for (int i = 0; i < CHUNK_ITEMS; ++i) local_sum += lse_term(vals[i], m);
     local_sum = warp_sum_u64(local_sum);
     if (lane == 0) sm.warp_sum[warp] = local_sum;
-
-    if (warp == 0) {
-        // The bound: the K-th largest group max (its low 8 bits left 0, a negligible loosening), below the
-        // K-th value of the chunk since K distinct elements reach it. With fewer than K real groups every
-        // value is a candidate.
-        // Keys stay in shared memory (registers hold the chunk): four conflict-free 16-byte reads per lane.
-        const uint4* gk = reinterpret_cast<const uint4*>(sm.group_key);
-        constexpr int PER_LANE = GROUPS / 128;
-        unsigned int real = 0;
-        uint32_t lo = ~0u, hi = 0;
-#pragma unroll
-        for (int j = 0; j < PER_LANE; ++j) {
-            const uint4 q = gk[j * 32 + lane];
-            for (uint32_t x : {q.x, q.y, q.z, q.w}) {
-                real += x != 0;
-                lo = min(lo, x != 0 ? x : ~0u);
-                hi = max(hi, x);
-            }
-        }
-        real = __reduce_add_sync(FULL_MASK, real);
-        lo = __reduce_min_sync(FULL_MASK, lo);
-        hi = __reduce_max_sync(FULL_MASK, hi);
-        uint32_t bound = 0;
-        if (real >= (unsigned)k_wanted) {
-            auto count = [&](uint32_t c) {
-                unsigned int n = 0;
-#pragma unroll
-                for (int j = 0; j < PER_LANE; ++j) {
-                    const uint4 q = gk[j * 32 + lane];
-                    n += (q.x >= c) + (q.y >= c) + (q.z >= c) + (q.w >= c);
-                }
-                return __reduce_add_sync(FULL_MASK, n);
-            };
-            bound = search_kth(count, lo, hi, (unsigned)k_wanted, 8, false);
-        }
-        if (lane == 0) {
-            sm.bound = bound;
-            sm.flags = status_of_keys(hi, lo);  // the group maxima carry NaN and +inf (max_nan)
-            sm.count = 0;
-            sm.taken = 0;
-        }
-    }
     __syncthreads();
 
+    uint32_t bound = real >= k ? lo : 0u;
+    if (bounded) {
+        const DigitPick p = pick_digit(sm.bound_hist[0], k);
+        bound = (uint32_t)(((u64)lo >> (shift1 + 8)) << (shift1 + 8)) | (p.digit << shift1);
+        // A second round within the picked bin when the first one's bins are wide (more than 2^12 keys).
+        if (shift1 > 12) {
+            const int shift2 = shift1 - 8;
+#pragma unroll
+            for (int g = 0; g < GROUPS_PER_THREAD; ++g)
+                if (group_key[g] != 0 && (group_key[g] >> shift1) == (bound >> shift1))
+                    atomicAdd(&sm.bound_hist[1][(group_key[g] >> shift2) & 255], 1u);
+            __syncthreads();
+            bound |= pick_digit(sm.bound_hist[1], k - p.above).digit << shift2;
+        }
+    }
+
     // order_key(v) >= bound is v >= key_value(bound) for every non-NaN v, except for bounds at or below
-    // -inf's key (not floats, or -inf itself), where every value passes.
-    const uint32_t bound = sm.bound;
+    // -inf's key (not floats, or -inf itself), where every value passes. A group whose max is below the
+    // threshold has no candidate.
     const float threshold = bound <= NEG_INF_KEY ? -INFINITY : key_value(bound);
 #pragma unroll
-    for (int i = 0; i < CHUNK_ITEMS; ++i) {
-        if (vals[i] >= threshold) {
-            const int e = item_index<T>(i);
-            if (e < len) {
-                const unsigned int at = atomicAdd(&sm.count, 1u);
-                if (at < (unsigned)CAP) sm.cand[at] = composite_key(order_key(vals[i]), (uint32_t)(base + e));
+    for (int g = 0; g < GROUPS_PER_THREAD; ++g) {
+        if (!(group_max[g] >= threshold)) continue;
+#pragma unroll
+        for (int i = g * GROUP_ITEMS; i < (g + 1) * GROUP_ITEMS; ++i) {
+            if (vals[i] >= threshold) {
+                const int e = item_index<T>(i);
+                if (e < len) {
+                    const unsigned int at = atomicAdd(&sm.count, 1u);
+                    if (at < (unsigned)CAP) sm.cand[at] = composite_key(order_key(vals[i]), (uint32_t)(base + e));
+                }
             }
         }
     }
@@ -462,13 +551,28 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
     const unsigned int n = sm.count;
 
     const size_t slot = (size_t)row * chunks + chunk;
-    u64* out = cand + slot * k_wanted;
+    u64* out = cand + slot * k;
     u64 kth = 1;
-    if (n <= (unsigned)CAP) {
-        if (warp != 0) return;
-        warp_select(sm.cand, n, k_wanted, out, kth);
-    } else {
+    if (n > (unsigned)CAP) {
         kth = chunk_select_all<T>(row_ptr, base, len, k_wanted, out, sm);
+    } else if (n <= k) {
+        // Every candidate is among the K best; with exactly K, the bound is at or below the K-th of them.
+        for (unsigned int i = tid; i < k; i += CHUNK_THREADS) out[i] = i < n ? sm.cand[i] : 0ull;
+        if (n == k) kth = max((u64)bound << 32, 1ull);
+    } else {
+        const u64 lo64 = (u64)bound << 32, hi64 = ((u64)hi << 32) | 0xFFFFFFFFull;
+        const SmemKeys<CHUNK_THREADS, CAP / CHUNK_THREADS> keys{sm.cand, n};
+        u64 same_mask, same_bits;
+        index_bits((uint32_t)base, (uint32_t)(base + len - 1), same_mask, same_bits);
+        kth = block_radix_kth<CHUNK_THREADS, CAP / CHUNK_THREADS>(keys, k, lo64, hi64, same_mask, same_bits,
+                                                                  sm.select_hist);
+        for (unsigned int i = tid; i < n; i += CHUNK_THREADS) {
+            const u64 x = sm.cand[i];
+            if (x >= kth) {
+                const unsigned int at = atomicAdd(&sm.taken, 1u);
+                if (at < k) out[at] = x;
+            }
+        }
     }
     if (tid == 0) {
         u64 sum = 0;
@@ -477,15 +581,18 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
         chunk_max[slot] = m;
         chunk_sum[slot] = sum;
         chunk_kth[slot] = kth;
-        chunk_flags[slot] = sm.flags;
+        chunk_flags[slot] = status_of_keys(hi, lo);
     }
 }
 
 struct MergeSmem {
     SelectSmem sel;
+    alignas(16) unsigned int select_hist[3][256];
+    unsigned int taken;
     u64 acc[MAX_K];
     u64 next[MAX_K];
     u64 cand[CAP];
+    double terms[MAX_CHUNKS];
     float lse;
     int flags;
 };
@@ -513,23 +620,33 @@ __device__ unsigned int gather_row_candidates(const u64* row_cand, int total, u6
     return n;
 }
 
-// The row's lse from the chunks' (max, fixed-point sum), in chunk order and float64, as the contract says.
+// One warp: the row's lse from the chunks' (max, fixed-point sum), in float64 as the contract says. The
+// chunks' terms are computed in parallel; lane 0 adds them in chunk order (a chunk with a zero sum adds
+// +0.0, which changes nothing).
 __device__ void combine_lse(const float* chunk_max, const u64* chunk_sum, const int* chunk_flags, int chunks,
-                            float& lse, int& flags) {
+                            double* terms, float& lse, int& flags) {
+    const int lane = threadIdx.x & 31;
     float big = -INFINITY;
-    flags = 0;
-    for (int c = 0; c < chunks; ++c) {
+    unsigned int f = 0;
+    for (int c = lane; c < chunks; c += 32) {
         big = fmaxf(big, chunk_max[c]);
-        flags |= chunk_flags[c];
+        f |= (unsigned)chunk_flags[c];
     }
-    double total = 0.0;
-    for (int c = 0; c < chunks; ++c) {
-        if (chunk_sum[c] == 0) continue;
-        double w = (double)expd(__fsub_rn(chunk_max[c], big));
-        total = __dadd_rn(total, __dmul_rn(__ull2double_rn(chunk_sum[c]), w));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(FULL_MASK, big, o));
+    f = __reduce_or_sync(FULL_MASK, f);
+    for (int c = lane; c < chunks; c += 32) {
+        const double w = (double)expd(__fsub_rn(chunk_max[c], big));
+        terms[c] = chunk_sum[c] == 0 ? 0.0 : __dmul_rn(__ull2double_rn(chunk_sum[c]), w);
     }
-    if (big == -INFINITY) flags |= STATUS_NO_FINITE;
-    lse = __double2float_rn(__dadd_rn((double)big, log(__dmul_rn(total, 0x1p-44))));
+    __syncwarp();
+    if (lane == 0) {
+        double total = 0.0;
+        for (int c = 0; c < chunks; ++c) total = __dadd_rn(total, terms[c]);
+        if (big == -INFINITY) f |= STATUS_NO_FINITE;
+        flags = (int)f;
+        lse = __double2float_rn(__dadd_rn((double)big, log(__dmul_rn(total, 0x1p-44))));
+    }
 }
 
 __device__ void merge_kernel(const u64* __restrict__ cand, const float* __restrict__ chunk_max,
@@ -541,24 +658,72 @@ __device__ void merge_kernel(const u64* __restrict__ cand, const float* __restri
     __shared__ MergeSmem sm;
     const int row = blockIdx.x;
     const size_t first = (size_t)row * chunks;
-    if (threadIdx.x == 0) combine_lse(chunk_max + first, chunk_sum + first, chunk_flags + first, chunks, sm.lse, sm.flags);
+    const unsigned int k = (unsigned)k_wanted;
+    if (threadIdx.x < 256) sm.select_hist[0][threadIdx.x] = 0;
+    if (threadIdx.x == 0) sm.taken = 0;
+    if (threadIdx.x < 32)
+        combine_lse(chunk_max + first, chunk_sum + first, chunk_flags + first, chunks, sm.terms, sm.lse, sm.flags);
 
-    // Any chunk with a full list proves K keys at or above its K-th key.
+    // Any chunk with a full list proves K keys at or above its K-th key; no key is above the largest
+    // chunk max.
     u64 local_lo = 1;
-    for (int c = threadIdx.x; c < chunks; c += THREADS) local_lo = max(local_lo, chunk_kth[first + c]);
+    float local_max = -INFINITY;
+    for (int c = threadIdx.x; c < chunks; c += THREADS) {
+        local_lo = max(local_lo, chunk_kth[first + c]);
+        local_max = fmaxf(local_max, chunk_max[first + c]);
+    }
     const u64 lo_hint = block_max(local_lo, sm.sel);
+    const u64 hi = (block_max((u64)order_key(local_max), sm.sel) << 32) | 0xFFFFFFFFull;
 
     const u64* row_cand = cand + first * k_wanted;
     const int total = chunks * k_wanted;
-    unsigned int n_cand = gather_row_candidates(row_cand, total, lo_hint, sm.cand, sm.sel);
+    u64 same_mask, same_bits;  // indices are below chunks * CHUNK
+    index_bits(0u, (uint32_t)(chunks * CHUNK - 1), same_mask, same_bits);
     unsigned int acc_n = 0;
-    if (n_cand <= (unsigned)CAP) {
-        if (threadIdx.x < 32) {
-            u64 kth;
-            warp_select(sm.cand, n_cand, k_wanted, sm.acc, kth);
+    if (total > CAP && total <= MERGE_REG * THREADS) {
+        // Too many chunk candidates to gather in shared memory, few enough for registers: select among
+        // those at or above lo_hint in place.
+        PlainKeys<MERGE_REG> keys;
+        unsigned int mine = 0;
+#pragma unroll
+        for (int i = 0; i < MERGE_REG; ++i) {
+            const int f = i * THREADS + threadIdx.x;
+            const u64 x = f < total ? row_cand[f] : 0ull;
+            keys.key[i] = x >= lo_hint ? x : 0ull;
+            mine += keys.key[i] != 0;
         }
-        acc_n = min(n_cand, (unsigned)k_wanted);
+        const u64 n = block_sum(mine, sm.sel);
+        const u64 t =
+            n > k ? block_radix_kth<THREADS, MERGE_REG>(keys, k, lo_hint, hi, same_mask, same_bits, sm.select_hist)
+                  : 1ull;
+#pragma unroll
+        for (int i = 0; i < MERGE_REG; ++i) {
+            const u64 x = keys.key[i];
+            if (x != 0 && x >= t) {
+                const unsigned int at = atomicAdd(&sm.taken, 1u);
+                if (at < k) sm.acc[at] = x;
+            }
+        }
         __syncthreads();
+        acc_n = min(sm.taken, k);
+    } else if (const unsigned int n_cand = gather_row_candidates(row_cand, total, lo_hint, sm.cand, sm.sel);
+               n_cand <= k) {
+        for (unsigned int i = threadIdx.x; i < n_cand; i += THREADS) sm.acc[i] = sm.cand[i];
+        acc_n = n_cand;
+        __syncthreads();
+    } else if (n_cand <= (unsigned)CAP) {
+        const SmemKeys<THREADS, CAP / THREADS> keys{sm.cand, n_cand};
+        const u64 t =
+            block_radix_kth<THREADS, CAP / THREADS>(keys, k, lo_hint, hi, same_mask, same_bits, sm.select_hist);
+        for (unsigned int i = threadIdx.x; i < n_cand; i += THREADS) {
+            const u64 x = sm.cand[i];
+            if (x >= t) {
+                const unsigned int at = atomicAdd(&sm.taken, 1u);
+                if (at < k) sm.acc[at] = x;
+            }
+        }
+        __syncthreads();
+        acc_n = min(sm.taken, k);
     } else {
         // Too many candidates for shared memory: fold them in register tiles, keeping the best K.
         for (int pos = 0; pos < total;) {
