@@ -1,15 +1,18 @@
 // Top-K with logsumexp over the vocabulary (DESIGN.md §4.1 step 1; exact contract in reference/README.md).
 //
 // Two launches. topk_chunk: one CTA of 256 threads per (chunk of 8192 logits, row) reads its chunk once
-// and keeps it in registers (32 values a thread). The chunk's max comes first; then each value's exact
-// fixed-point exp term, which is most of the work; the selection costs about two instructions a value: one
-// warp finds, from the maxima of the chunk's 512 groups of 16 values, a bound at or below the chunk's K-th
-// value (K group maxima reach it), every value is compared with it once, the few that pass (about K to 2K
-// on real logits) go to shared memory, and one warp picks the exact K best of those by a bitwise search
-// on their composite keys (value descending, index ascending). Rare chunks with more than CAP values at
-// the bound (many equal logits) select over the whole chunk instead. The chunk writes its max, exp-sum
-// and K best keys (unordered). topk_merge: one CTA per row selects the K best of the chunks' candidates
-// the same way, ranks them and combines the chunk sums into the row's lse.
+// and keeps it in registers (32 values a thread, loaded as 16-byte vectors). Most of the work is each
+// value's exact fixed-point exp term (about 26 instructions); the selection is kept to a few instructions
+// a value. The maxima of the chunk's 512 groups of 16 values give, by a one- or two-round histogram of
+// their order keys, a bound at or below the chunk's K-th value (K group maxima reach it); only groups whose
+// max reaches the bound look at their values, and the few values that pass (about K to 1.5K on random
+// logits) are placed in shared memory by a warp scan; an 8-bit radix select over them (one barrier a
+// round) finds the exact K best composite keys (value descending, index ascending). Chunks with more than
+// CAP values at the bound (many equal logits) select over the whole chunk instead. The chunk writes its
+// max, exp-sum and K best keys (unordered). topk_merge: one CTA per row selects the K best of the chunks'
+// candidates with the same radix select (over all of them in registers when they are too many for
+// shared memory, else over those gathered at or above the best chunk K-th key), ranks them and combines
+// the chunk sums into the row's lse.
 #include "common.cuh"
 
 namespace kdt {
@@ -532,17 +535,37 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
     // order_key(v) >= bound is v >= key_value(bound) for every non-NaN v, except for bounds at or below
     // -inf's key (not floats, or -inf itself), where every value passes. A group whose max is below the
     // threshold has no candidate.
+    // Candidates are counted first and placed by a warp scan and one atomic per warp, so that writing one
+    // costs a few instructions rather than a warp-wide atomic sequence per item.
     const float threshold = bound <= NEG_INF_KEY ? -INFINITY : key_value(bound);
+    const bool full = len == CHUNK;
+    unsigned int mine = 0;
 #pragma unroll
     for (int g = 0; g < GROUPS_PER_THREAD; ++g) {
         if (!(group_max[g] >= threshold)) continue;
 #pragma unroll
-        for (int i = g * GROUP_ITEMS; i < (g + 1) * GROUP_ITEMS; ++i) {
-            if (vals[i] >= threshold) {
+        for (int i = g * GROUP_ITEMS; i < (g + 1) * GROUP_ITEMS; ++i)
+            mine += vals[i] >= threshold && (full || item_index<T>(i) < len);
+    }
+    if (__any_sync(FULL_MASK, mine != 0)) {
+        unsigned int incl = mine;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned int y = __shfl_up_sync(FULL_MASK, incl, o);
+            if (lane >= o) incl += y;
+        }
+        unsigned int at = 0;
+        if (lane == 31) at = atomicAdd(&sm.count, incl);
+        at = __shfl_sync(FULL_MASK, at, 31) + incl - mine;
+#pragma unroll
+        for (int g = 0; g < GROUPS_PER_THREAD; ++g) {
+            if (!(group_max[g] >= threshold)) continue;
+#pragma unroll
+            for (int i = g * GROUP_ITEMS; i < (g + 1) * GROUP_ITEMS; ++i) {
                 const int e = item_index<T>(i);
-                if (e < len) {
-                    const unsigned int at = atomicAdd(&sm.count, 1u);
+                if (vals[i] >= threshold && (full || e < len)) {
                     if (at < (unsigned)CAP) sm.cand[at] = composite_key(order_key(vals[i]), (uint32_t)(base + e));
+                    ++at;
                 }
             }
         }
