@@ -1,22 +1,41 @@
 // Top-K with logsumexp over the vocabulary (DESIGN.md §4.1 step 1; exact contract in reference/README.md).
 //
-// Two launches. topk_chunk: one CTA per (chunk of 8192 logits, row) reads its chunk once, keeps it in
-// registers, writes the chunk's max, its exact fixed-point exp-sum and its K best composite keys (value
-// descending, index ascending; unordered). topk_merge: one CTA per row selects the K best of the chunks'
-// candidates, ranks them and combines the chunk sums into the row's lse.
+// Two launches. topk_chunk: one CTA of 256 threads per (chunk of 8192 logits, row) reads its chunk once
+// and keeps it in registers (32 values a thread, loaded as 16-byte vectors). Most of the work is each
+// value's exact fixed-point exp term (about 26 instructions); the selection is kept to a few instructions
+// a value. The maxima of the chunk's 512 groups of 16 values give, by a one- or two-round histogram of
+// their order keys, a bound at or below the chunk's K-th value (K group maxima reach it); only groups whose
+// max reaches the bound look at their values, and the few values that pass (about K to 1.5K on random
+// logits) are placed in shared memory by a warp scan; an 8-bit radix select over them (one barrier a
+// round) finds the exact K best composite keys (value descending, index ascending). Chunks with more than
+// CAP values at the bound (many equal logits) select over the whole chunk instead. The chunk writes its
+// max, exp-sum and K best keys (unordered). topk_merge: one CTA per row selects the K best of the chunks'
+// candidates with the same radix select (over all of them in registers when they are too many for
+// shared memory, else over those gathered at or above the best chunk K-th key), ranks them and combines
+// the chunk sums into the row's lse.
 #include "common.cuh"
 
 namespace kdt {
 namespace topk {
 
-constexpr int THREADS = 512;
+constexpr int THREADS = 512;  // merge
 constexpr int CHUNK = 8192;
-constexpr int CHUNK_ITEMS = CHUNK / THREADS;  // per thread, in registers
+constexpr int CHUNK_THREADS = 256;
+constexpr int CHUNK_WARPS = CHUNK_THREADS / 32;
+constexpr int CHUNK_ITEMS = CHUNK / CHUNK_THREADS;  // per thread, in registers
+constexpr int GROUP_ITEMS = 16;
+constexpr int GROUPS = CHUNK / GROUP_ITEMS;
 constexpr int MERGE_ITEMS = 8;
+constexpr int MERGE_REG = 16;  // chunk candidates per merge thread held in registers
 constexpr int MERGE_SLOTS = MERGE_ITEMS * THREADS;
 constexpr int MAX_K = 512;
-constexpr int CAP = 2048;  // candidates kept in shared memory; more take the register-resident path
-constexpr int CAP_ITEMS = CAP / THREADS;
+constexpr int MAX_CHUNKS = 64;  // V < 2^19 (reference/README.md)
+constexpr int CAP = 2048;  // candidates kept in shared memory; more take a slower path
+constexpr uint32_t NEG_INF_KEY = 0x007FFFFFu;  // order_key(-inf)
+constexpr unsigned FULL_MASK = 0xFFFFFFFFu;
+static_assert(GROUPS >= MAX_K, "K group maxima must exist for the chunk bound");
+static_assert(CAP >= MAX_K, "the slow path assumes more than K candidates");
+static_assert(CHUNK_ITEMS % GROUP_ITEMS == 0 && GROUP_ITEMS % 8 == 0, "groups are whole 16-byte vectors");
 
 typedef cub::BlockScan<unsigned int, THREADS> Scan;
 typedef cub::BlockReduce<u64, THREADS> ReduceU64;
@@ -55,37 +74,6 @@ __device__ __forceinline__ u64 block_sum(u64 v, SelectSmem& s) {
     __syncthreads();
     return r;
 }
-
-// Key sources for the selection: item i of this thread as a composite u64 key (0 = empty slot).
-// Chunk keys keep only the 32-bit value key in registers and rebuild the index from the item position.
-template <typename T>
-__device__ __forceinline__ int item_index(int i);
-
-template <typename T, int ITEMS>
-struct ChunkKeys {
-    uint32_t value[ITEMS];
-    int base;
-    __device__ __forceinline__ u64 get(int i) const {
-        return value[i] == 0 ? 0ull : composite_key(value[i], (uint32_t)(base + item_index<T>(i)));
-    }
-};
-
-template <int ITEMS>
-struct PlainKeys {
-    u64 key[ITEMS];
-    __device__ __forceinline__ u64 get(int i) const { return key[i]; }
-};
-
-// Candidates gathered into shared memory: slot i * THREADS + tid of the first n.
-template <int ITEMS>
-struct SmemKeys {
-    const u64* buf;
-    unsigned int n;
-    __device__ __forceinline__ u64 get(int i) const {
-        unsigned int idx = i * THREADS + threadIdx.x;
-        return idx < n ? buf[idx] : 0ull;
-    }
-};
 
 // Radix select over distinct u64 keys held in registers (0 = empty). Among keys >= lo (lo > 0, at least K
 // of them, all <= hi), finds (shift, T) such that exactly K keys k >= lo satisfy (k >> shift) >= (T >> shift).
@@ -182,64 +170,169 @@ __device__ unsigned int select_top(const Keys& keys, int k_wanted, u64 lo_hint, 
     return block_compact<ITEMS>(keys, lo, shift, t, false, out, s);
 }
 
-// A key L such that at least K non-empty keys are >= L (1 when there are fewer than K). Duplicates are
-// fine: only the bound matters, not which keys reach it.
-template <int ITEMS, typename Keys>
-__device__ u64 kth_lower_bound(const Keys& keys, int k_wanted, SelectSmem& s) {
-    u64 local_max = 0, local_min = ~0ull, local_n = 0;
+// max that returns NaN when either input is NaN (fmaxf would hide it), so NaN logits reach the status.
+__device__ __forceinline__ float max_nan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+__device__ __forceinline__ u64 warp_sum_u64(u64 v) {
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        u64 k = keys.get(i);
-        if (k != 0) {
-            local_max = max(local_max, k);
-            local_min = min(local_min, k);
-            ++local_n;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ u64 warp_min_u64(u64 v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+__device__ __forceinline__ u64 warp_max_u64(u64 v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+__device__ __forceinline__ int top_bit(uint32_t x) { return 31 - __clz((int)x); }
+__device__ __forceinline__ int top_bit(u64 x) { return 63 - __clzll((long long)x); }
+
+// The largest t with count(t) >= want, where count(t) is the number of keys >= t, found bit by bit below
+// the common prefix of lo and hi (the smallest and largest key, at least want keys in all). Bits below
+// stop_bit stay 0, which only lowers t. With exact, the search ends as soon as exactly want keys reach t;
+// for distinct keys and stop_bit 0 the result is then the want-th largest key either way. count must
+// return the same value to every caller.
+template <typename K, typename Count>
+__device__ __forceinline__ K search_kth(const Count& count, K lo, K hi, unsigned int want, int stop_bit, bool exact) {
+    if (lo == hi) return lo;
+    const int top = top_bit(lo ^ hi);
+    const int fixed = top + 1;  // bits at and above stay those of lo
+    K t = fixed >= (int)(8 * sizeof(K)) ? K(0) : (lo >> fixed) << fixed;
+    for (int b = top; b >= stop_bit; --b) {
+        const K c = t | (K(1) << b);
+        const unsigned int n = count(c);
+        if (n >= want) {
+            t = c;
+            if (exact && n == want) break;
         }
     }
-    u64 n = block_sum(local_n, s);
-    if (n < (u64)k_wanted) return 1;
-    u64 hi = block_max(local_max, s), lo = block_min(local_min, s);
-    if (n == (u64)k_wanted) return lo;
-    int shift;
-    u64 t;
-    block_select<ITEMS>(keys, k_wanted, lo, hi, s, shift, t);
-    return max(t, 1ull);
+    return t;
 }
 
-struct ChunkSmem {
-    SelectSmem sel;
-    u64 picked[MAX_K];
-    u64 cand[CAP];
+// A digit picked from a 256-bin histogram of keys (bin = digit): the digit d such that fewer than `need`
+// counted keys have a larger digit (above) and at least `need` have d or larger; in_digit is d's count.
+struct DigitPick {
+    unsigned int digit, above, in_digit;
+    bool found;  // false when fewer than `need` keys were counted
 };
 
-// Copies the keys whose value part is >= lo_value (at least 1, so empty slots never pass) into buf
-// when they fit in CAP; returns their count.
-template <int ITEMS, typename Keys>
-__device__ unsigned int gather_candidates(const Keys& keys, uint32_t lo_value, u64* buf, SelectSmem& s) {
-    lo_value = max(lo_value, 1u);
+// Every warp reads the whole histogram and gets the same answer, so no barrier is needed to share it.
+__device__ __forceinline__ DigitPick pick_digit(const unsigned int* hist, unsigned int need) {
+    const int lane = threadIdx.x & 31;
+    const uint4 a = reinterpret_cast<const uint4*>(hist)[2 * lane];
+    const uint4 b = reinterpret_cast<const uint4*>(hist)[2 * lane + 1];
+    const unsigned int c[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     unsigned int mine = 0;
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) mine += keys.value[i] >= lo_value;
-    unsigned int offset, total;
-    Scan(s.scan).ExclusiveSum(mine, offset, total);
-    if (total <= (unsigned)CAP) {
+    for (int j = 0; j < 8; ++j) mine += c[j];
+    unsigned int incl = mine;  // this lane's bins and every larger digit
 #pragma unroll
-        for (int i = 0; i < ITEMS; ++i)
-            if (keys.value[i] >= lo_value) buf[offset++] = keys.get(i);
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned int y = __shfl_down_sync(FULL_MASK, incl, o);
+        if (lane + o < 32) incl += y;
     }
-    __syncthreads();
-    return total;
+    const unsigned int larger = incl - mine;
+    const bool here = larger < need && need <= incl;
+    const unsigned int ballot = __ballot_sync(FULL_MASK, here);
+    DigitPick p{0, 0, 0, ballot != 0};
+    if (ballot == 0) return p;
+    unsigned int digit = 0, above = larger, in_digit = 0;
+    if (here) {
+        bool done = false;
+#pragma unroll
+        for (int j = 7; j >= 0; --j) {
+            if (!done && above + c[j] >= need) {
+                digit = 8 * lane + j;
+                in_digit = c[j];
+                done = true;
+            }
+            if (!done) above += c[j];
+        }
+    }
+    const int src = __ffs(ballot) - 1;
+    p.digit = __shfl_sync(FULL_MASK, digit, src);
+    p.above = __shfl_sync(FULL_MASK, above, src);
+    p.in_digit = __shfl_sync(FULL_MASK, in_digit, src);
+    return p;
 }
 
-// The rare path (more than CAP candidates, e.g. many equal logits): radix select over all of the
-// chunk's keys. Not inlined, so that its register needs do not weigh on the common path.
-template <typename Keys>
-__device__ __noinline__ unsigned int select_top_fallback(const Keys& keys, int k_wanted, u64 lo_hint, u64* out,
-                                                         SelectSmem& s) {
-    return select_top<CHUNK_ITEMS>(keys, k_wanted, lo_hint, out, s);
+// Keys held by the threads of a CTA, ITEMS each: key i of this thread, 0 for none.
+template <int ITEMS>
+struct PlainKeys {
+    u64 key[ITEMS];
+    __device__ __forceinline__ u64 get(int i) const { return key[i]; }
+};
+
+// The first n keys of a shared-memory buffer, slot i * NT + tid for item i of this thread.
+template <int NT, int ITEMS>
+struct SmemKeys {
+    const u64* buf;
+    unsigned int n;
+    __device__ __forceinline__ u64 get(int i) const {
+        const unsigned int idx = i * NT + threadIdx.x;
+        return idx < n ? buf[idx] : 0ull;
+    }
+};
+
+// Radix select, 8 bits a round: the k-th largest of the distinct nonzero keys in [lo, hi] (more than k of
+// them), so that exactly k of those keys are >= the result. Every key has the bits same_bits where
+// same_mask is set (the high bits of the index part, from the index range); the rounds skip them, so
+// that ties in value cost one or two rounds on the index rather than four. hist: three 256-bin
+// histograms used in turn, the first zero on entry; each round zeroes the next one, which nobody reads
+// any more, so one barrier a round suffices. Keys above hi (only in rows with NaN, which are reported as
+// errors) can end the search early; the caller then caps what it writes.
+template <int NT, int ITEMS, typename Keys>
+__device__ u64 block_radix_kth(const Keys& keys, unsigned int k, u64 lo, u64 hi, u64 same_mask, u64 same_bits,
+                               unsigned int (*hist)[256]) {
+    int shift = lo == hi ? 0 : max(top_bit(lo ^ hi) - 7, 0);
+    int fixed = shift + 8;  // bits at and above are those of t; the last digit may overlap them
+    u64 t = fixed >= 64 ? 0ull : (lo >> fixed) << fixed;
+    unsigned int need = k;
+    for (int round = 0;; ++round) {
+        unsigned int* h = hist[round % 3];
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            const u64 x = keys.get(i);
+            if (x != 0 && x >= lo && shr64(x, fixed) == shr64(t, fixed)) atomicAdd(&h[(x >> shift) & 255], 1u);
+        }
+        if (threadIdx.x < 256) hist[(round + 1) % 3][threadIdx.x] = 0;
+        __syncthreads();
+        const DigitPick p = pick_digit(h, need);
+        if (!p.found) return t;
+        t |= (u64)p.digit << shift;
+        need -= p.above;
+        if (p.in_digit == need || shift == 0) return t;
+        // More than one key is left in the digit, so some bit below shift still differs between keys.
+        const u64 below = (1ull << shift) - 1;
+        const u64 free_bits = below & ~same_mask;
+        if (free_bits == 0) return t;
+        const int top = top_bit(free_bits);
+        t |= same_bits & same_mask & below & ~((2ull << top) - 1);
+        fixed = top + 1;
+        shift = max(top - 7, 0);
+    }
 }
 
-// Loads item i of this thread: element (i * THREADS + tid) of the chunk, 16-byte vectors when aligned.
+// The bits of the index part (~index) shared by every index in [first, last]: a mask and their values.
+__device__ __forceinline__ void index_bits(uint32_t first, uint32_t last, u64& same_mask, u64& same_bits) {
+    const uint32_t varying = first == last ? 0u : 0xFFFFFFFFu >> __clz((int)(first ^ last));
+    same_mask = (u64)(~varying);
+    same_bits = (u64)(~first);
+}
+
+// Loads item i of this thread: element ((i / VEC) * CHUNK_THREADS + tid) * VEC + i % VEC of the chunk,
+// 16-byte vectors when aligned; items past the chunk's end read as -inf.
 template <typename T>
 __device__ __forceinline__ void load_chunk(const T* __restrict__ row, int base, int len, bool vec_ok,
                                            float (&vals)[CHUNK_ITEMS]) {
@@ -248,7 +341,7 @@ __device__ __forceinline__ void load_chunk(const T* __restrict__ row, int base, 
     if (vec_ok && len == CHUNK) {
 #pragma unroll
         for (int v = 0; v < CHUNK_ITEMS / VEC; ++v) {
-            int e = (v * THREADS + tid) * VEC;
+            int e = (v * CHUNK_THREADS + tid) * VEC;
             uint4 raw = __ldcs(reinterpret_cast<const uint4*>(row + base + e));
             const T* x = reinterpret_cast<const T*>(&raw);
 #pragma unroll
@@ -259,7 +352,7 @@ __device__ __forceinline__ void load_chunk(const T* __restrict__ row, int base, 
         for (int v = 0; v < CHUNK_ITEMS / VEC; ++v)
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                int e = (v * THREADS + tid) * VEC + j;
+                int e = (v * CHUNK_THREADS + tid) * VEC + j;
                 vals[v * VEC + j] = e < len ? to_f32(row[base + e]) : -INFINITY;
             }
     }
@@ -269,91 +362,260 @@ __device__ __forceinline__ void load_chunk(const T* __restrict__ row, int base, 
 template <typename T>
 __device__ __forceinline__ int item_index(int i) {
     constexpr int VEC = 16 / sizeof(T);
-    return ((i / VEC) * THREADS + (int)threadIdx.x) * VEC + (i % VEC);
+    return ((i / VEC) * CHUNK_THREADS + (int)threadIdx.x) * VEC + (i % VEC);
+}
+
+struct ChunkSmem {
+    alignas(16) unsigned int bound_hist[2][256];  // the bound's two rounds
+    alignas(16) unsigned int select_hist[3][256];
+    uint32_t warp_lo[CHUNK_WARPS], warp_hi[CHUNK_WARPS];
+    unsigned int warp_real[CHUNK_WARPS];
+    u64 warp_sum[CHUNK_WARPS];
+    u64 warp_lo64[CHUNK_WARPS], warp_hi64[CHUNK_WARPS];
+    unsigned int warp_count[2][CHUNK_WARPS];
+    unsigned int count, taken;
+    u64 cand[CAP];
+};
+
+// Composite key of element e of the chunk (0 past its end), read again from memory: the slow path runs
+// too rarely for the chunk's registers to be worth keeping for it.
+template <typename T>
+__device__ __forceinline__ u64 chunk_key(const T* __restrict__ row, int base, int len, int e) {
+    return e < len ? composite_key(order_key(to_f32(row[base + e])), (uint32_t)(base + e)) : 0ull;
+}
+
+// The slow path: more than CAP values reached the bound. The whole CTA searches the K-th largest key of the
+// whole chunk (counting per bit with one barrier) and writes the K keys at or above it, unordered. len > CAP
+// >= K here, so exactly K keys are written.
+template <typename T>
+__device__ u64 chunk_select_all(const T* __restrict__ row, int base, int len, int k, u64* out, ChunkSmem& sm) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u64 lo = ~0ull, hi = 0;
+    for (int e = threadIdx.x; e < len; e += CHUNK_THREADS) {
+        const u64 x = chunk_key(row, base, len, e);
+        lo = min(lo, x);
+        hi = max(hi, x);
+    }
+    lo = warp_min_u64(lo);
+    hi = warp_max_u64(hi);
+    if (lane == 0) {
+        sm.warp_lo64[warp] = lo;
+        sm.warp_hi64[warp] = hi;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < CHUNK_WARPS; ++w) {
+        lo = min(lo, sm.warp_lo64[w]);
+        hi = max(hi, sm.warp_hi64[w]);
+    }
+    int round = 0;
+    // Two count buffers in turn: a buffer is written again only after the barrier of the round between.
+    auto count = [&](u64 c) {
+        unsigned int m = 0;
+        for (int e = threadIdx.x; e < len; e += CHUNK_THREADS) m += chunk_key(row, base, len, e) >= c;
+        m = __reduce_add_sync(FULL_MASK, m);
+        unsigned int* slot = sm.warp_count[round & 1];
+        ++round;
+        if (lane == 0) slot[warp] = m;
+        __syncthreads();
+        unsigned int total = 0;
+#pragma unroll
+        for (int w = 0; w < CHUNK_WARPS; ++w) total += slot[w];
+        return total;
+    };
+    const u64 t = search_kth(count, lo, hi, (unsigned)k, 0, true);
+    for (int e = threadIdx.x; e < len; e += CHUNK_THREADS) {
+        const u64 x = chunk_key(row, base, len, e);
+        if (x >= t) {
+            const unsigned int at = atomicAdd(&sm.taken, 1u);
+            if (at < (unsigned)k) out[at] = x;
+        }
+    }
+    return t;
 }
 
 template <typename T>
 __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_wanted, u64* __restrict__ cand,
                              float* __restrict__ chunk_max, u64* __restrict__ chunk_sum,
                              u64* __restrict__ chunk_kth, int* __restrict__ chunk_flags) {
+    constexpr int VEC = 16 / sizeof(T);
+    constexpr int GROUPS_PER_THREAD = CHUNK_ITEMS / GROUP_ITEMS;
     __shared__ ChunkSmem sm;
     const int chunk = blockIdx.x, row = blockIdx.y, chunks = gridDim.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int base = chunk * CHUNK;
     const int len = min(CHUNK, vocab - base);
     const T* row_ptr = logits + (size_t)row * vocab;
-    const bool vec_ok = (vocab % (16 / (int)sizeof(T))) == 0 && ((uintptr_t)logits % 16) == 0;
+    const bool vec_ok = (vocab % VEC) == 0 && ((uintptr_t)logits % 16) == 0;
+    const unsigned int k = (unsigned)k_wanted;
 
-    float vals[CHUNK_ITEMS];  // items past the chunk's end read as -inf
+    float vals[CHUNK_ITEMS];
     load_chunk<T>(row_ptr, base, len, vec_ok, vals);
-    float vmax = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < CHUNK_ITEMS; ++i) vmax = fmaxf(vmax, vals[i]);  // NaN is caught by the keys below
-    const float m = key_value((uint32_t)block_max(order_key(vmax), sm.sel));
+    sm.bound_hist[0][tid] = 0;
+    sm.bound_hist[1][tid] = 0;
+    sm.select_hist[0][tid] = 0;
+    if (tid == 0) {
+        sm.count = 0;
+        sm.taken = 0;
+    }
 
-    // One pass turns each value into its fixed-point exp term and its order key; the values die here.
-    ChunkKeys<T, CHUNK_ITEMS> keys;
-    keys.base = base;
+    // Group g of this thread is items [16g, 16g + 16): whole vectors, so its first element is that of its
+    // first item. Padding is -inf, so a group's max is that of its real values (if it has any). The order
+    // keys of the group maxima give the chunk's max and, with max_nan, its NaN and +inf status.
+    float group_max[GROUPS_PER_THREAD];
+    uint32_t group_key[GROUPS_PER_THREAD];
+    uint32_t lo = ~0u, hi = 0;
+    unsigned int real = 0;
+#pragma unroll
+    for (int g = 0; g < GROUPS_PER_THREAD; ++g) {
+        float gm = vals[g * GROUP_ITEMS];
+#pragma unroll
+        for (int i = g * GROUP_ITEMS + 1; i < (g + 1) * GROUP_ITEMS; ++i) gm = max_nan(gm, vals[i]);
+        group_max[g] = gm;
+        const bool is_real = item_index<T>(g * GROUP_ITEMS) < len;
+        group_key[g] = is_real ? order_key(gm) : 0u;
+        lo = min(lo, is_real ? group_key[g] : ~0u);
+        hi = max(hi, group_key[g]);
+        real += is_real;
+    }
+    lo = __reduce_min_sync(FULL_MASK, lo);
+    hi = __reduce_max_sync(FULL_MASK, hi);
+    real = __reduce_add_sync(FULL_MASK, real);
+    if (lane == 0) {
+        sm.warp_lo[warp] = lo;
+        sm.warp_hi[warp] = hi;
+        sm.warp_real[warp] = real;
+    }
+    __syncthreads();
+    lo = sm.warp_lo[0];
+    hi = sm.warp_hi[0];
+    real = sm.warp_real[0];
+#pragma unroll
+    for (int w = 1; w < CHUNK_WARPS; ++w) {
+        lo = min(lo, sm.warp_lo[w]);
+        hi = max(hi, sm.warp_hi[w]);
+        real += sm.warp_real[w];
+    }
+    const float m = key_value(hi);  // the chunk's max, -0.0 read as +0.0
+
+    // The bound, a key at or below the chunk's K-th value: the K-th largest group max (K distinct
+    // elements reach it), rounded down to a histogram bin of the group keys. With fewer than K real
+    // groups every value is a candidate. First round: the 8 bits below the common prefix of lo and hi.
+    const bool bounded = real >= k && lo != hi;
+    const int shift1 = bounded ? max(top_bit(lo ^ hi) - 7, 0) : 0;
+    if (bounded) {
+#pragma unroll
+        for (int g = 0; g < GROUPS_PER_THREAD; ++g)
+            if (group_key[g] != 0) atomicAdd(&sm.bound_hist[0][(group_key[g] >> shift1) & 255], 1u);
+    }
+
     u64 local_sum = 0;
-    uint32_t kmin = ~0u;
 #pragma unroll
-    for (int i = 0; i < CHUNK_ITEMS; ++i) {
-        local_sum += lse_term(vals[i], m);
-        uint32_t k = order_key(vals[i]);
-        kmin = min(kmin, k);
-        keys.value[i] = (len == CHUNK || item_index<T>(i) < len) ? k : 0u;
-    }
-    const u64 sum = block_sum(local_sum, sm.sel);
+    for (int i = 0; i < CHUNK_ITEMS; ++i) local_sum += lse_term(vals[i], m);
+    local_sum = warp_sum_u64(local_sum);
+    if (lane == 0) sm.warp_sum[warp] = local_sum;
+    __syncthreads();
 
-    // A lower bound for the chunk's K-th value: the K-th largest of G >= K group maxima (each a distinct
-    // element). Groups of 16 items (8 when K > 256) keep the bound tight, so only about K to 2K
-    // candidates reach the exact selection in shared memory.
-    PlainKeys<2> groups;
-    uint32_t kmax = 0;
+    uint32_t bound = real >= k ? lo : 0u;
+    if (bounded) {
+        const DigitPick p = pick_digit(sm.bound_hist[0], k);
+        bound = (uint32_t)(((u64)lo >> (shift1 + 8)) << (shift1 + 8)) | (p.digit << shift1);
+        // A second round within the picked bin when the first one's bins are wide (more than 2^12 keys).
+        if (shift1 > 12) {
+            const int shift2 = shift1 - 8;
 #pragma unroll
-    for (int g = 0; g < 2; ++g) {
-        uint32_t m8 = 0;
-#pragma unroll
-        for (int i = 8 * g; i < 8 * g + 8; ++i) m8 = max(m8, keys.value[i]);
-        groups.key[g] = (u64)m8 << 32;
-        kmax = max(kmax, m8);
+            for (int g = 0; g < GROUPS_PER_THREAD; ++g)
+                if (group_key[g] != 0 && (group_key[g] >> shift1) == (bound >> shift1))
+                    atomicAdd(&sm.bound_hist[1][(group_key[g] >> shift2) & 255], 1u);
+            __syncthreads();
+            bound |= pick_digit(sm.bound_hist[1], k - p.above).digit << shift2;
+        }
     }
-    const int flags = __syncthreads_or(status_of_keys(kmax, kmin));
-    if (k_wanted <= THREADS / 2) {
-        groups.key[0] = max(groups.key[0], groups.key[1]);
-        groups.key[1] = 0;
-    }
-    const u64 lo_hint = kth_lower_bound<2>(groups, k_wanted, sm.sel);
 
-    const unsigned int n_cand = gather_candidates<CHUNK_ITEMS>(keys, (uint32_t)(lo_hint >> 32), sm.cand, sm.sel);
-    unsigned int n;
-    if (n_cand <= (unsigned)CAP) {
-        SmemKeys<CAP_ITEMS> cand{sm.cand, n_cand};
-        n = select_top<CAP_ITEMS>(cand, k_wanted, 1, sm.picked, sm.sel);
+    // order_key(v) >= bound is v >= key_value(bound) for every non-NaN v, except for bounds at or below
+    // -inf's key (not floats, or -inf itself), where every value passes. A group whose max is below the
+    // threshold has no candidate.
+    // Candidates are counted first and placed by a warp scan and one atomic per warp, so that writing one
+    // costs a few instructions rather than a warp-wide atomic sequence per item.
+    const float threshold = bound <= NEG_INF_KEY ? -INFINITY : key_value(bound);
+    const bool full = len == CHUNK;
+    unsigned int mine = 0;
+#pragma unroll
+    for (int g = 0; g < GROUPS_PER_THREAD; ++g) {
+        if (!(group_max[g] >= threshold)) continue;
+#pragma unroll
+        for (int i = g * GROUP_ITEMS; i < (g + 1) * GROUP_ITEMS; ++i)
+            mine += vals[i] >= threshold && (full || item_index<T>(i) < len);
+    }
+    if (__any_sync(FULL_MASK, mine != 0)) {
+        unsigned int incl = mine;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned int y = __shfl_up_sync(FULL_MASK, incl, o);
+            if (lane >= o) incl += y;
+        }
+        unsigned int at = 0;
+        if (lane == 31) at = atomicAdd(&sm.count, incl);
+        at = __shfl_sync(FULL_MASK, at, 31) + incl - mine;
+#pragma unroll
+        for (int g = 0; g < GROUPS_PER_THREAD; ++g) {
+            if (!(group_max[g] >= threshold)) continue;
+#pragma unroll
+            for (int i = g * GROUP_ITEMS; i < (g + 1) * GROUP_ITEMS; ++i) {
+                const int e = item_index<T>(i);
+                if (vals[i] >= threshold && (full || e < len)) {
+                    if (at < (unsigned)CAP) sm.cand[at] = composite_key(order_key(vals[i]), (uint32_t)(base + e));
+                    ++at;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    const unsigned int n = sm.count;
+
+    const size_t slot = (size_t)row * chunks + chunk;
+    u64* out = cand + slot * k;
+    u64 kth = 1;
+    if (n > (unsigned)CAP) {
+        kth = chunk_select_all<T>(row_ptr, base, len, k_wanted, out, sm);
+    } else if (n <= k) {
+        // Every candidate is among the K best; with exactly K, the bound is at or below the K-th of them.
+        for (unsigned int i = tid; i < k; i += CHUNK_THREADS) out[i] = i < n ? sm.cand[i] : 0ull;
+        if (n == k) kth = max((u64)bound << 32, 1ull);
     } else {
-        n = select_top_fallback(keys, k_wanted, lo_hint, sm.picked, sm.sel);  // e.g. many equal logits
+        const u64 lo64 = (u64)bound << 32, hi64 = ((u64)hi << 32) | 0xFFFFFFFFull;
+        const SmemKeys<CHUNK_THREADS, CAP / CHUNK_THREADS> keys{sm.cand, n};
+        u64 same_mask, same_bits;
+        index_bits((uint32_t)base, (uint32_t)(base + len - 1), same_mask, same_bits);
+        kth = block_radix_kth<CHUNK_THREADS, CAP / CHUNK_THREADS>(keys, k, lo64, hi64, same_mask, same_bits,
+                                                                  sm.select_hist);
+        for (unsigned int i = tid; i < n; i += CHUNK_THREADS) {
+            const u64 x = sm.cand[i];
+            if (x >= kth) {
+                const unsigned int at = atomicAdd(&sm.taken, 1u);
+                if (at < k) out[at] = x;
+            }
+        }
     }
-    size_t slot = (size_t)row * chunks + chunk;
-    u64* out = cand + slot * k_wanted;
-    u64 local_kth = ~0ull;
-    for (unsigned int i = threadIdx.x; i < (unsigned)k_wanted; i += THREADS) {
-        u64 k = i < n ? sm.picked[i] : 0ull;  // 0 marks the unused tail for the merge
-        out[i] = k;
-        if (i < n) local_kth = min(local_kth, k);
-    }
-    u64 kth = block_min(local_kth, sm.sel);
-    if (threadIdx.x == 0) {
+    if (tid == 0) {
+        u64 sum = 0;
+#pragma unroll
+        for (int w = 0; w < CHUNK_WARPS; ++w) sum += sm.warp_sum[w];
         chunk_max[slot] = m;
         chunk_sum[slot] = sum;
-        chunk_kth[slot] = n == (unsigned)k_wanted ? kth : 1;
-        chunk_flags[slot] = flags;
+        chunk_kth[slot] = kth;
+        chunk_flags[slot] = status_of_keys(hi, lo);
     }
 }
 
 struct MergeSmem {
     SelectSmem sel;
+    alignas(16) unsigned int select_hist[3][256];
+    unsigned int taken;
     u64 acc[MAX_K];
     u64 next[MAX_K];
     u64 cand[CAP];
+    double terms[MAX_CHUNKS];
     float lse;
     int flags;
 };
@@ -381,23 +643,33 @@ __device__ unsigned int gather_row_candidates(const u64* row_cand, int total, u6
     return n;
 }
 
-// The row's lse from the chunks' (max, fixed-point sum), in chunk order and float64, as the contract says.
+// One warp: the row's lse from the chunks' (max, fixed-point sum), in float64 as the contract says. The
+// chunks' terms are computed in parallel; lane 0 adds them in chunk order (a chunk with a zero sum adds
+// +0.0, which changes nothing).
 __device__ void combine_lse(const float* chunk_max, const u64* chunk_sum, const int* chunk_flags, int chunks,
-                            float& lse, int& flags) {
+                            double* terms, float& lse, int& flags) {
+    const int lane = threadIdx.x & 31;
     float big = -INFINITY;
-    flags = 0;
-    for (int c = 0; c < chunks; ++c) {
+    unsigned int f = 0;
+    for (int c = lane; c < chunks; c += 32) {
         big = fmaxf(big, chunk_max[c]);
-        flags |= chunk_flags[c];
+        f |= (unsigned)chunk_flags[c];
     }
-    double total = 0.0;
-    for (int c = 0; c < chunks; ++c) {
-        if (chunk_sum[c] == 0) continue;
-        double w = (double)expd(__fsub_rn(chunk_max[c], big));
-        total = __dadd_rn(total, __dmul_rn(__ull2double_rn(chunk_sum[c]), w));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(FULL_MASK, big, o));
+    f = __reduce_or_sync(FULL_MASK, f);
+    for (int c = lane; c < chunks; c += 32) {
+        const double w = (double)expd(__fsub_rn(chunk_max[c], big));
+        terms[c] = chunk_sum[c] == 0 ? 0.0 : __dmul_rn(__ull2double_rn(chunk_sum[c]), w);
     }
-    if (big == -INFINITY) flags |= STATUS_NO_FINITE;
-    lse = __double2float_rn(__dadd_rn((double)big, log(__dmul_rn(total, 0x1p-44))));
+    __syncwarp();
+    if (lane == 0) {
+        double total = 0.0;
+        for (int c = 0; c < chunks; ++c) total = __dadd_rn(total, terms[c]);
+        if (big == -INFINITY) f |= STATUS_NO_FINITE;
+        flags = (int)f;
+        lse = __double2float_rn(__dadd_rn((double)big, log(__dmul_rn(total, 0x1p-44))));
+    }
 }
 
 __device__ void merge_kernel(const u64* __restrict__ cand, const float* __restrict__ chunk_max,
@@ -409,20 +681,72 @@ __device__ void merge_kernel(const u64* __restrict__ cand, const float* __restri
     __shared__ MergeSmem sm;
     const int row = blockIdx.x;
     const size_t first = (size_t)row * chunks;
-    if (threadIdx.x == 0) combine_lse(chunk_max + first, chunk_sum + first, chunk_flags + first, chunks, sm.lse, sm.flags);
+    const unsigned int k = (unsigned)k_wanted;
+    if (threadIdx.x < 256) sm.select_hist[0][threadIdx.x] = 0;
+    if (threadIdx.x == 0) sm.taken = 0;
+    if (threadIdx.x < 32)
+        combine_lse(chunk_max + first, chunk_sum + first, chunk_flags + first, chunks, sm.terms, sm.lse, sm.flags);
 
-    // Any chunk with a full list proves K keys at or above its K-th key.
+    // Any chunk with a full list proves K keys at or above its K-th key; no key is above the largest
+    // chunk max.
     u64 local_lo = 1;
-    for (int c = threadIdx.x; c < chunks; c += THREADS) local_lo = max(local_lo, chunk_kth[first + c]);
+    float local_max = -INFINITY;
+    for (int c = threadIdx.x; c < chunks; c += THREADS) {
+        local_lo = max(local_lo, chunk_kth[first + c]);
+        local_max = fmaxf(local_max, chunk_max[first + c]);
+    }
     const u64 lo_hint = block_max(local_lo, sm.sel);
+    const u64 hi = (block_max((u64)order_key(local_max), sm.sel) << 32) | 0xFFFFFFFFull;
 
     const u64* row_cand = cand + first * k_wanted;
     const int total = chunks * k_wanted;
-    unsigned int n_cand = gather_row_candidates(row_cand, total, lo_hint, sm.cand, sm.sel);
+    u64 same_mask, same_bits;  // indices are below chunks * CHUNK
+    index_bits(0u, (uint32_t)(chunks * CHUNK - 1), same_mask, same_bits);
     unsigned int acc_n = 0;
-    if (n_cand <= (unsigned)CAP) {
-        SmemKeys<CAP_ITEMS> keys{sm.cand, n_cand};
-        acc_n = select_top<CAP_ITEMS>(keys, k_wanted, 1, sm.acc, sm.sel);
+    if (total > CAP && total <= MERGE_REG * THREADS) {
+        // Too many chunk candidates to gather in shared memory, few enough for registers: select among
+        // those at or above lo_hint in place.
+        PlainKeys<MERGE_REG> keys;
+        unsigned int mine = 0;
+#pragma unroll
+        for (int i = 0; i < MERGE_REG; ++i) {
+            const int f = i * THREADS + threadIdx.x;
+            const u64 x = f < total ? row_cand[f] : 0ull;
+            keys.key[i] = x >= lo_hint ? x : 0ull;
+            mine += keys.key[i] != 0;
+        }
+        const u64 n = block_sum(mine, sm.sel);
+        const u64 t =
+            n > k ? block_radix_kth<THREADS, MERGE_REG>(keys, k, lo_hint, hi, same_mask, same_bits, sm.select_hist)
+                  : 1ull;
+#pragma unroll
+        for (int i = 0; i < MERGE_REG; ++i) {
+            const u64 x = keys.key[i];
+            if (x != 0 && x >= t) {
+                const unsigned int at = atomicAdd(&sm.taken, 1u);
+                if (at < k) sm.acc[at] = x;
+            }
+        }
+        __syncthreads();
+        acc_n = min(sm.taken, k);
+    } else if (const unsigned int n_cand = gather_row_candidates(row_cand, total, lo_hint, sm.cand, sm.sel);
+               n_cand <= k) {
+        for (unsigned int i = threadIdx.x; i < n_cand; i += THREADS) sm.acc[i] = sm.cand[i];
+        acc_n = n_cand;
+        __syncthreads();
+    } else if (n_cand <= (unsigned)CAP) {
+        const SmemKeys<THREADS, CAP / THREADS> keys{sm.cand, n_cand};
+        const u64 t =
+            block_radix_kth<THREADS, CAP / THREADS>(keys, k, lo_hint, hi, same_mask, same_bits, sm.select_hist);
+        for (unsigned int i = threadIdx.x; i < n_cand; i += THREADS) {
+            const u64 x = sm.cand[i];
+            if (x >= t) {
+                const unsigned int at = atomicAdd(&sm.taken, 1u);
+                if (at < k) sm.acc[at] = x;
+            }
+        }
+        __syncthreads();
+        acc_n = min(sm.taken, k);
     } else {
         // Too many candidates for shared memory: fold them in register tiles, keeping the best K.
         for (int pos = 0; pos < total;) {
@@ -461,13 +785,13 @@ __device__ void merge_kernel(const u64* __restrict__ cand, const float* __restri
 }  // namespace topk
 }  // namespace kdt
 
-extern "C" __global__ void __launch_bounds__(kdt::topk::THREADS, 2)
+extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, 3)
     topk_chunk_f32(const float* logits, int vocab, int k, kdt::u64* cand, float* chunk_max, kdt::u64* chunk_sum,
                    kdt::u64* chunk_kth, int* chunk_flags) {
     kdt::topk::chunk_kernel<float>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags);
 }
 
-extern "C" __global__ void __launch_bounds__(kdt::topk::THREADS, 2)
+extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, 3)
     topk_chunk_bf16(const __nv_bfloat16* logits, int vocab, int k, kdt::u64* cand, float* chunk_max,
                     kdt::u64* chunk_sum, kdt::u64* chunk_kth, int* chunk_flags) {
     kdt::topk::chunk_kernel<__nv_bfloat16>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags);

@@ -7,7 +7,9 @@ use crate::cpu::topk::LSE_CHUNK;
 use crate::error::{check_len, Error, Result};
 use crate::types::{check_vocab, Logits, TopK};
 
-/// Threads per CTA (kernels/topk.cu THREADS).
+/// Threads per CTA of the chunk kernel (kernels/topk.cu CHUNK_THREADS).
+const CHUNK_THREADS: u32 = 256;
+/// Threads per CTA of the merge kernel (kernels/topk.cu THREADS).
 const THREADS: u32 = 512;
 /// Largest K the kernels select (their candidate buffers hold 512 keys).
 pub const MAX_K: usize = 512;
@@ -114,7 +116,7 @@ impl TopKPlan {
         let (vocab, k, chunks) = (to_i32("vocab", self.vocab)?, self.k as i32, self.chunks as i32);
         let chunk_cfg = LaunchConfig {
             grid_dim: (self.chunks as u32, rows as u32, 1),
-            block_dim: (THREADS, 1, 1),
+            block_dim: (CHUNK_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let stream = gpu.stream();
