@@ -15,8 +15,9 @@ use crate::error::{check_len, Error, Result};
 const THREADS: u32 = 256;
 /// A tile shape of kernels/gemm_bf16.cu. All shapes run the same operations per output element, so the
 /// choice by token count keeps batch invariance.
-struct TileShape {
-    name: &'static str,
+pub(crate) struct TileShape {
+    /// The kernel's name in kernels/gemm_bf16.cu.
+    pub(crate) name: &'static str,
     rows: usize,
     tokens: usize,
     k: usize,
@@ -32,7 +33,7 @@ impl TileShape {
 
 /// The shapes from fewest to most tokens; a launch takes the first whose token tile holds all its tokens,
 /// else the last.
-const SHAPES: [TileShape; 3] = [
+pub(crate) const SHAPES: [TileShape; 3] = [
     TileShape { name: "gemm_bf16_narrow", rows: 128, tokens: 16, k: 64, stages: 4 },
     TileShape { name: "gemm_bf16_medium", rows: 128, tokens: 32, k: 64, stages: 3 },
     TileShape { name: "gemm_bf16_wide", rows: 64, tokens: 64, k: 32, stages: 4 },
@@ -116,7 +117,7 @@ impl Strides {
 /// The split of K for a weight: `(chunks, chunk length)`, chosen from its shape alone.
 pub fn split_k(w: &DeviceWeight) -> (usize, usize) {
     let tiles = w.out.div_ceil(SHAPES[0].rows) * w.batch;
-    let wanted = TARGET_CTAS.div_ceil(tiles).clamp(1, MAX_SPLIT).min(w.inp.div_ceil(MIN_CHUNK).max(1));
+    let wanted = TARGET_CTAS.div_ceil(tiles).clamp(1, MAX_SPLIT).min(w.inp.div_ceil(MIN_CHUNK));
     let chunk = w.inp.div_ceil(wanted).div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN;
     (w.inp.div_ceil(chunk), chunk)
 }

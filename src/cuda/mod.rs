@@ -136,7 +136,7 @@ impl Kernels {
             int4_dequant_bf16: f("int4_dequant_bf16")?,
             mla_chunk: f("mla_chunk")?,
             mla_combine: f("mla_combine")?,
-            gemm_bf16: [f("gemm_bf16_narrow")?, f("gemm_bf16_medium")?, f("gemm_bf16_wide")?],
+            gemm_bf16: [f(gemm_bf16::SHAPES[0].name)?, f(gemm_bf16::SHAPES[1].name)?, f(gemm_bf16::SHAPES[2].name)?],
             gemm_reduce: f("gemm_reduce")?,
             gemm_split_bf16: f("gemm_split_bf16")?,
         })
