@@ -1,10 +1,12 @@
 // DDTree best-first tree build (DESIGN.md §4.1 step 2-3; exact contract in reference/README.md).
 //
 // One warp per request, no host round trip and no allocation: the frontier in registers, the rows and
-// the bitmask in shared memory. Each step two warp reductions find the best candidate (largest logw, then
-// earliest push), which is appended as the next row, and its next sibling and first child are pushed.
-// The visibility row of a new node is its parent's row plus its own bit; sibling lists are linked at
-// the end.
+// the bitmask in shared memory. The frontier is kept sorted (see SortedFrontier), so each step's best
+// candidate (largest logw, then earliest push) is simply its head: the step appends it as the next row,
+// and inserts its next sibling and first child with a few ballots and shuffles. The pops form one
+// sequential chain per request, so the kernel's time is that chain's latency; keeping the step free of
+// reductions and data-dependent loops is what makes it short. A new row's bitmask is its parent's plus
+// its own bit; sibling lists are linked as rows are appended (children come in rank order).
 #include "common.cuh"
 
 namespace kdt {
@@ -19,87 +21,95 @@ __device__ __forceinline__ int info_depth(uint32_t v) { return (int)((v >> 12) &
 __device__ __forceinline__ int info_rank(uint32_t v) { return (int)(v & 0xFFF); }
 
 // Shared memory of one request: the read-only log-probs, the rows appended so far, and the bitmask.
-// Sibling lists come from the pushes: a row's next sibling is its rank + 1 candidate and its first child
-// its rank-0 child candidate (siblings are pushed, so popped, in rank order), so recording which slot
-// each row pushed and which row each slot became links them with stores alone.
 struct Layout {
     float* logp;           // [L*K] this request's top_logp
     uint32_t* node_info;   // [N] parent / depth / rank of each row
-    int* sibling_slot;     // [N] slot of the row's next-sibling candidate, or -1
-    int* child_slot;       // [N] slot of the row's first-child candidate, or -1
-    int* row_of_slot;      // [2N] row a slot was appended as, or -1
-    uint32_t* vis;         // [N*W] word w of every row belongs to lane w % 32
+    float* node_logw;      // [N] score of each row (the base of its next sibling's score)
+    int* first_child;      // [N] row of the first child, or -1
+    int* next_sibling;     // [N] row of the next sibling, or -1
+    int* last_child;       // [N] latest child row appended so far
+    uint32_t* vis;         // [N*W]
 };
 
 __device__ Layout carve(char* smem, int lk, int n_rows) {
     Layout s;
     s.logp = reinterpret_cast<float*>(smem);
     s.node_info = reinterpret_cast<uint32_t*>(s.logp + lk);
-    s.sibling_slot = reinterpret_cast<int*>(s.node_info + n_rows);
-    s.child_slot = s.sibling_slot + n_rows;
-    s.row_of_slot = s.child_slot + n_rows;
-    s.vis = reinterpret_cast<uint32_t*>(s.row_of_slot + 2 * n_rows);
+    s.node_logw = reinterpret_cast<float*>(s.node_info + n_rows);
+    s.first_child = reinterpret_cast<int*>(s.node_logw + n_rows);
+    s.next_sibling = s.first_child + n_rows;
+    s.last_child = s.next_sibling + n_rows;
+    s.vis = reinterpret_cast<uint32_t*>(s.last_child + n_rows);
     return s;
 }
 
-// The frontier lives in registers. Slots are never reused: slot s holds the s-th push, so the push
-// number (the tie-break) is the slot index; slot s is register s / 32 of lane s % 32. Each lane keeps the
-// best of its own slots, so a step needs two warp reductions and no shared-memory round trip.
+// The frontier as one array sorted best first (larger key, then earlier push), spread over the warp:
+// element j is register j / 32 of lane j % 32. Each step pops element 0 and inserts at most two new
+// candidates; both are pushed after every candidate already there, so each goes right after the
+// elements whose key is >= its own, and the earlier push order of equal keys is kept by position alone.
+// The array holds the budget's worth of elements: at most `budget` more pops follow, so a candidate
+// pushed past that many better ones can never be popped and is dropped. A step is a few ballots and
+// shuffles with no data-dependent loop, which keeps the sequential pop chain short.
 template <int SPL>
-struct Frontier {
-    uint32_t key[SPL];  // order key of the candidate's logw; 0 = empty or popped
-    float base[SPL];    // logw of the candidate's parent (for its next sibling)
-    uint32_t info[SPL]; // parent / depth / rank
-    uint32_t best_key;
-    int best_slot;
-    float best_base;
-    uint32_t best_info;
+struct SortedFrontier {
+    uint32_t key[SPL];   // order key of the candidate's logw; 0 = empty
+    uint32_t info[SPL];  // parent / depth / rank
 
-    __device__ __forceinline__ void clear() {
+    __device__ __forceinline__ void init(uint32_t first_key, uint32_t first_info) {
 #pragma unroll
-        for (int j = 0; j < SPL; ++j) key[j] = 0;
-        best_key = 0;
-        best_slot = 0;
-    }
-
-    // Register j of this lane is slot j * 32 + lane; the earliest slot wins among equal keys.
-    __device__ __forceinline__ void rescan() {
-        best_key = 0;
-#pragma unroll
-        for (int j = 0; j < SPL; ++j)
-            if (key[j] > best_key) {
-                best_key = key[j];
-                best_slot = j * 32 + (int)threadIdx.x;
-                best_base = base[j];
-                best_info = info[j];
-            }
-    }
-
-    __device__ __forceinline__ void push(int slot, float logw, float parent_logw, uint32_t packed) {
-        if ((slot & 31) != (int)threadIdx.x) return;
-        const int reg = slot >> 5;
-        const uint32_t k = order_key(logw);
-#pragma unroll
-        for (int j = 0; j < SPL; ++j)
-            if (j == reg) {
-                key[j] = k;
-                base[j] = parent_logw;
-                info[j] = packed;
-            }
-        if (k > best_key) {  // a later slot never wins a tie against this lane's current best
-            best_key = k;
-            best_slot = slot;
-            best_base = parent_logw;
-            best_info = packed;
+        for (int j = 0; j < SPL; ++j) key[j] = info[j] = 0;
+        if (threadIdx.x == 0) {
+            key[0] = first_key;
+            info[0] = first_info;
         }
     }
 
-    __device__ __forceinline__ void pop(int slot) {
-        const int reg = slot >> 5;
+    // Elements other than the head (element 0) whose key is >= x: a prefix of the array after the head.
+    __device__ __forceinline__ int count_ge_after_head(uint32_t x) const {
+        int count = 0;
 #pragma unroll
         for (int j = 0; j < SPL; ++j)
-            if (j == reg) key[j] = 0;
-        rescan();
+            count += __popc(__ballot_sync(0xFFFFFFFFu, key[j] >= x && (j > 0 || threadIdx.x > 0)));
+        return count;
+    }
+
+    // Removes the head and inserts (k1, i1) then (k2, i2); a zero key is no candidate.
+    __device__ __forceinline__ void pop_and_push(uint32_t k1, uint32_t i1, uint32_t k2, uint32_t i2) {
+        constexpr int CAP = 32 * SPL;
+        // Final positions: each new candidate follows the kept elements with keys >= its own, and the
+        // second follows the first when their keys are equal (the first was pushed first).
+        const int c1 = k1 ? count_ge_after_head(k1) : CAP, c2 = k2 ? count_ge_after_head(k2) : CAP;
+        const int pos1 = k1 ? c1 + (int)(k2 > k1) : CAP;
+        const int pos2 = k2 ? c2 + (int)(k1 != 0 && k1 >= k2) : CAP;
+        const int lane = threadIdx.x;
+        uint32_t new_key[SPL], new_info[SPL];
+#pragma unroll
+        for (int j = 0; j < SPL; ++j) {
+            const int at = j * 32 + lane;
+            // Source of a kept element: its old index is at + 1 (the head left) less the insertions before it.
+            const int delta = 1 - (int)(pos1 < at) - (int)(pos2 < at);
+            const int src_lane = (lane + delta) & 31;
+            uint32_t sk = __shfl_sync(0xFFFFFFFFu, key[j], src_lane);
+            uint32_t si = __shfl_sync(0xFFFFFFFFu, info[j], src_lane);
+            const uint32_t next_k = j + 1 < SPL ? __shfl_sync(0xFFFFFFFFu, key[j + 1 < SPL ? j + 1 : j], 0) : 0u;
+            const uint32_t next_i = j + 1 < SPL ? __shfl_sync(0xFFFFFFFFu, info[j + 1 < SPL ? j + 1 : j], 0) : 0u;
+            const uint32_t prev_k = j > 0 ? __shfl_sync(0xFFFFFFFFu, key[j > 0 ? j - 1 : 0], 31) : 0u;
+            const uint32_t prev_i = j > 0 ? __shfl_sync(0xFFFFFFFFu, info[j > 0 ? j - 1 : 0], 31) : 0u;
+            if (lane == 31 && delta == 1) {
+                sk = next_k;
+                si = next_i;
+            } else if (lane == 0 && delta == -1) {
+                sk = prev_k;
+                si = prev_i;
+            }
+            new_key[j] = at == pos1 ? k1 : at == pos2 ? k2 : sk;
+            new_info[j] = at == pos1 ? i1 : at == pos2 ? i2 : si;
+        }
+#pragma unroll
+        for (int j = 0; j < SPL; ++j) {
+            key[j] = new_key[j];
+            info[j] = new_info[j];
+        }
     }
 };
 
@@ -122,47 +132,39 @@ __device__ void build_one(const int* __restrict__ top_ids, const float* __restri
         s.logp[i] = v;
     }
     for (int w = lane; w < words; w += 32) s.vis[w] = w == 0 ? 1u : 0u;
-    for (int i = lane; i < 2 * n_rows; i += 32) s.row_of_slot[i] = -1;
-    if (lane == 0) {
-        s.sibling_slot[0] = -1;
-        s.child_slot[0] = 0;
-    }
+    for (int i = lane; i < n_rows; i += 32) s.first_child[i] = s.next_sibling[i] = -1;
+    if (lane == 0) s.node_logw[0] = 0.0f;
     __syncwarp();
 
-    Frontier<SPL> f;
-    f.clear();
-    f.push(0, __fadd_rn(0.0f, s.logp[0]), 0.0f, pack_info(0, 1, 0));
-    int n = 0, pushed = 1;
+    SortedFrontier<SPL> f;
+    f.init(order_key(__fadd_rn(0.0f, s.logp[0])), pack_info(0, 1, 0));
+    int n = 0;
     while (n < budget) {
-        // The best candidate: largest key, then smallest slot (= earliest push). Its owner is slot % 32.
-        const uint32_t top_key = __reduce_max_sync(0xFFFFFFFFu, f.best_key);
+        const uint32_t top_key = __shfl_sync(0xFFFFFFFFu, f.key[0], 0);
         if (top_key == 0) break;
-        const uint32_t top_slot = ~__reduce_max_sync(0xFFFFFFFFu, f.best_key == top_key ? ~(uint32_t)f.best_slot : 0u);
-        const int owner = top_slot & 31;
-        const float logw = key_value(top_key);
-        const float base = __shfl_sync(0xFFFFFFFFu, f.best_base, owner);
-        const uint32_t info = __shfl_sync(0xFFFFFFFFu, f.best_info, owner);
+        const uint32_t info = __shfl_sync(0xFFFFFFFFu, f.info[0], 0);
         const int p = info_parent(info), d = info_depth(info), r = info_rank(info);
         const int row = ++n;
+        // The parent's bitmask word is loaded now and stored last, so its latency overlaps the step.
+        // words <= 17 for budgets up to 512: one word per lane.
+        const uint32_t parent_vis = lane < words ? s.vis[p * words + lane] : 0u;
+        const float logw = key_value(top_key);
 
         const bool sibling = r + 1 < k, child = d < depth_max;
-        const float sibling_logw = sibling ? __fadd_rn(base, s.logp[(d - 1) * k + r + 1]) : 0.0f;
+        const float sibling_logw = sibling ? __fadd_rn(s.node_logw[p], s.logp[(d - 1) * k + r + 1]) : 0.0f;
         const float child_logw = child ? __fadd_rn(logw, s.logp[d * k]) : 0.0f;
-        if (lane == owner) f.pop(top_slot);
-        if (sibling) f.push(pushed, sibling_logw, base, pack_info(p, d, r + 1));
-        if (child) f.push(pushed + sibling, child_logw, logw, pack_info(row, d + 1, 0));
-        pushed += (int)sibling + (int)child;
+        f.pop_and_push(sibling ? order_key(sibling_logw) : 0u, pack_info(p, d, r + 1),
+                       child ? order_key(child_logw) : 0u, pack_info(row, d + 1, 0));
 
-        for (int w = lane; w < words; w += 32) {
-            uint32_t bit = (w == row / 32) ? (1u << (row % 32)) : 0u;
-            s.vis[row * words + w] = s.vis[p * words + w] | bit;
-        }
         if (lane == 0) {
             s.node_info[row] = info;
-            s.row_of_slot[top_slot] = row;
-            s.sibling_slot[row] = sibling ? pushed - 1 - (int)child : -1;
-            s.child_slot[row] = child ? pushed - 1 : -1;
+            s.node_logw[row] = logw;
+            // Children are appended in rank order, so the latest child of p is this row's previous sibling.
+            if (r == 0) s.first_child[p] = row;
+            else s.next_sibling[s.last_child[p]] = row;
+            s.last_child[p] = row;
         }
+        if (lane < words) s.vis[row * words + lane] = parent_vis | (lane == row / 32 ? 1u << (row % 32) : 0u);
     }
     __syncwarp();
 
@@ -178,9 +180,8 @@ __device__ void build_one(const int* __restrict__ top_ids, const float* __restri
         node_token[i] = i == 0 ? root_token : top_ids[(d - 1) * k + info_rank(info)];
         node_depth[i] = d;
         parent_out[i] = i == 0 ? -1 : info_parent(info);
-        const int sib = s.sibling_slot[i], kid = s.child_slot[i];
-        first_child_out[i] = kid >= 0 ? s.row_of_slot[kid] : -1;
-        next_sibling_out[i] = sib >= 0 ? s.row_of_slot[sib] : -1;
+        first_child_out[i] = s.first_child[i];
+        next_sibling_out[i] = s.next_sibling[i];
         position_out[i] = seq_len + d;
     }
     for (int i = lane; i < n_rows * words; i += 32) vis_out[i] = (i / words) <= n ? s.vis[i] : 0u;
@@ -195,7 +196,7 @@ __device__ void build_one(const int* __restrict__ top_ids, const float* __restri
 }  // namespace kdt
 
 // One CTA of one warp per request; dynamic shared memory as computed by src/cuda/tree_build.rs. The
-// frontier's registers per lane are a template parameter: at most 2B + 1 slots over 32 lanes.
+// frontier's registers per lane are a template parameter: the budget's worth of elements over 32 lanes.
 extern "C" __global__ void __launch_bounds__(32)
     tree_build(const int* top_ids, const float* top_logp, const int* root_token, const int* seq_len, int depth_max,
                int k, int budget, int* num_nodes, int* node_token, int* node_depth, int* parent, int* first_child,
@@ -203,14 +204,15 @@ extern "C" __global__ void __launch_bounds__(32)
     const int b = blockIdx.x;
     const int n_rows = budget + 1, words = (n_rows + 31) / 32;
     const size_t lk = (size_t)depth_max * k, rows = (size_t)b * n_rows;
-    const int slots_per_lane = (2 * budget + 1 + 31) / 32;
+    const int per_lane = (budget + 31) / 32;
 #define KDT_BUILD(SPL)                                                                                              \
     kdt::tree::build_one<SPL>(top_ids + b * lk, top_logp + b * lk, root_token[b], seq_len[b], depth_max, k, budget, \
                               num_nodes + b, node_token + rows, node_depth + rows, parent + rows, first_child + rows,  \
                               next_sibling + rows, position + rows, visibility + rows * words, status + b)
-    if (slots_per_lane <= 4) KDT_BUILD(4);
-    else if (slots_per_lane <= 8) KDT_BUILD(8);
-    else if (slots_per_lane <= 16) KDT_BUILD(16);
-    else KDT_BUILD(33);
+    if (per_lane <= 1) KDT_BUILD(1);
+    else if (per_lane <= 2) KDT_BUILD(2);
+    else if (per_lane <= 4) KDT_BUILD(4);
+    else if (per_lane <= 8) KDT_BUILD(8);
+    else KDT_BUILD(16);
 #undef KDT_BUILD
 }
