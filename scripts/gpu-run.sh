@@ -3,7 +3,8 @@
 # every GPU test, compute-sanitizer memcheck and racecheck over the fixture tests, then the benches.
 # Logs and the criterion results go under $OUT (default ./gpu-out); a short table is printed last.
 # TESTS="gpu-pack/tests/NAME ..." limits the tests step to those binaries.
-# Usage: scripts/gpu-run.sh [tests|sanitize|sanitize:NAME|profile|profile:moe|bench|bench:NAME]...
+# Usage: scripts/gpu-run.sh [tests|sanitize|sanitize:NAME|profile|profile:moe|bench|bench:NAME|bench:NAME:FILTER]...
+#        (FILTER: a criterion name filter, e.g. bench:mla:gpu_decode runs only those rows)
 #        (default: tests sanitize bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,9 +83,9 @@ run_profile_moe() {
 }
 
 run_bench() {
-    local name=$1
-    gpu-pack/benches/"$name" --bench >"$logs/bench-$name.log" 2>&1
-    note "bench $name: exit $?"
+    local name=$1 filter=${2:-}
+    gpu-pack/benches/"$name" --bench $filter >>"$logs/bench-$name.log" 2>&1
+    note "bench $name $filter: exit $?"
     tar -czf "$out/criterion.tar.gz" -C target criterion
 }
 
@@ -96,6 +97,7 @@ for step in $steps; do
         sanitize) run_sanitizer memcheck; run_sanitizer racecheck ;;
         sanitize:*) run_sanitizer memcheck "${step#sanitize:}"; run_sanitizer racecheck "${step#sanitize:}" ;;
         bench) for b in gpu-pack/benches/*; do run_bench "$(basename "$b")"; done ;;
+        bench:*:*) spec=${step#bench:}; run_bench "${spec%%:*}" "${spec#*:}" ;;
         bench:*) run_bench "${step#bench:}" ;;
         profile) run_profile; run_profile_moe ;;
         profile:moe) run_profile_moe ;;
