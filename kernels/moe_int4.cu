@@ -22,7 +22,8 @@ constexpr int THREADS = WARPS * 32;
 constexpr int MAX_EXPERTS = 1024;
 constexpr int ALIGN_THREADS = 512;
 constexpr int ALIGN_ITEMS = MAX_EXPERTS / ALIGN_THREADS;
-constexpr int ROUTE_WARPS = 4;  // tokens per routing CTA (a 8 KB score row each)
+constexpr int ROUTE_THREADS = 256;  // one routing CTA per token
+constexpr int MAX_TOP_K = 32;       // mirrored in src/cuda/moe_int4.rs
 
 // Status bits (mirrored in src/cuda/moe_int4.rs).
 constexpr int STATUS_BAD_LOGIT = 1;
@@ -32,84 +33,61 @@ constexpr int STATUS_BAD_EXPERT = 2;
 // Routing (sigmoid in float64, top-k of score + bias, ties to the smaller expert id, weights renormalized
 // in slot order) and alignment by expert.
 
-struct Candidate {
-    double key;
-    double score;
-    int id;
-};
-
-__device__ __forceinline__ bool better(const Candidate& a, const Candidate& b) {
-    return a.key > b.key || (a.key == b.key && a.id < b.id);
+// Routing of one token per CTA. Each expert's slot is its rank: the number of experts that beat it
+// (larger score + bias, then the smaller id), which gives the slots of k sequential arg-max rounds in one
+// parallel pass. A thread stops counting once its expert is out of the top k, so only the warps holding a
+// chosen expert scan all E keys.
+__device__ __forceinline__ bool beats(double key_a, int a, double key_b, int b) {
+    return key_a > key_b || (key_a == key_b && a < b);
 }
 
-__device__ __forceinline__ Candidate warp_best(Candidate c) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        Candidate o;
-        o.key = __shfl_xor_sync(0xffffffffu, c.key, off);
-        o.score = __shfl_xor_sync(0xffffffffu, c.score, off);
-        o.id = __shfl_xor_sync(0xffffffffu, c.id, off);
-        if (better(o, c)) c = o;
-    }
-    return c;
-}
-
-// `bias_s` is the correction bias staged in shared memory: the k selection rounds read every expert's
-// bias, and from global memory those reads formed a chain of L2 round trips (about 20 µs per token).
-__device__ void route_token(const float* __restrict__ logits, const float* __restrict__ bias, const float* bias_s,
-                            double scaling, int E, int k, int* __restrict__ ids, float* __restrict__ weights,
-                            int* status, double* score) {
-    const int lane = threadIdx.x & 31;
+// Grid: one CTA per token.
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
+    moe_route(const float* __restrict__ logits, const float* __restrict__ bias, double scaling, int E, int k,
+              int* __restrict__ topk_ids, float* __restrict__ topk_weights, int* __restrict__ status) {
+    __shared__ double key[MAX_EXPERTS];
+    __shared__ double score[MAX_EXPERTS];
+    __shared__ double chosen[MAX_TOP_K];
+    const int t = blockIdx.x, tid = threadIdx.x;
+    const float* row = logits + (size_t)t * E;
+    int* ids = topk_ids + (size_t)t * k;
+    float* weights = topk_weights + (size_t)t * k;
     bool finite = true;
-    for (int e = lane; e < E; e += 32) finite &= isfinite(logits[e]) && isfinite(bias[e]);
-    if (!__all_sync(0xffffffffu, finite)) {
+    for (int e = tid; e < E; e += ROUTE_THREADS) finite &= isfinite(row[e]) && isfinite(bias[e]);
+    if (!__syncthreads_and(finite)) {
         // Keep the outputs valid expert ids, so later kernels stay in range; the host reports the error.
-        if (lane < k) {
-            ids[lane] = lane;
-            weights[lane] = 0.0f;
+        if (tid < k) {
+            ids[tid] = tid;
+            weights[tid] = 0.0f;
         }
-        if (lane == 0) atomicOr(status, STATUS_BAD_LOGIT);
+        if (tid == 0) atomicOr(status, STATUS_BAD_LOGIT);
         return;
     }
-    // The scores once per expert (independent exps, so they overlap), then k selection rounds of compares.
-    for (int e = lane; e < E; e += 32) score[e] = 1.0 / (1.0 + exp(-(double)logits[e]));
-    __syncwarp();
-    uint32_t chosen = 0;  // bit j: expert lane + 32 j taken
-    double my_score = 0.0;
-    for (int slot = 0; slot < k; ++slot) {
-        Candidate best{-INFINITY, 0.0, 0x7fffffff};
-        for (int j = 0, e = lane; e < E; ++j, e += 32) {
-            if (chosen >> j & 1u) continue;
-            Candidate c{score[e] + (double)bias_s[e], score[e], e};
-            if (better(c, best)) best = c;
-        }
-        best = warp_best(best);
-        if (lane == (best.id & 31)) chosen |= 1u << (best.id >> 5);
-        if (lane == slot) my_score = best.score;
-        if (lane == 0) ids[slot] = best.id;
+    for (int e = tid; e < E; e += ROUTE_THREADS) {
+        const double s = 1.0 / (1.0 + exp(-(double)row[e]));
+        score[e] = s;
+        key[e] = s + (double)bias[e];
     }
-    __syncwarp();  // the warp's score row is reused by its next token
-    double sum = 0.0;
-    for (int slot = 0; slot < k; ++slot) sum += __shfl_sync(0xffffffffu, my_score, slot);
-    if (lane < k) weights[lane] = (float)(my_score / sum * scaling);
+    __syncthreads();
+    for (int e = tid; e < E; e += ROUTE_THREADS) {
+        const double mine = key[e];
+        int rank = 0;
+        for (int j = 0; j < E && rank < k; ++j) rank += beats(key[j], j, mine, e) ? 1 : 0;
+        if (rank < k) {
+            ids[rank] = e;
+            chosen[rank] = score[e];
+        }
+    }
+    __syncthreads();
+    // Renormalized in slot order, as the reference sums them.
+    if (tid < k) {
+        double sum = 0.0;
+        for (int slot = 0; slot < k; ++slot) sum += chosen[slot];
+        weights[tid] = (float)(chosen[tid] / sum * scaling);
+    }
 }
 
 typedef cub::BlockScan<int, ALIGN_THREADS> ScanInt;
-
-// Routing: one warp per token, ROUTE_WARPS tokens per CTA, each warp with its row of scores in shared
-// memory. Grid: ceil(T / ROUTE_WARPS).
-extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
-    moe_route(const float* __restrict__ logits, const float* __restrict__ bias, double scaling, int T, int E, int k,
-              int* __restrict__ topk_ids, float* __restrict__ topk_weights, int* __restrict__ status) {
-    __shared__ double score[ROUTE_WARPS][MAX_EXPERTS];
-    __shared__ float bias_s[MAX_EXPERTS];
-    for (int e = threadIdx.x; e < E; e += ROUTE_WARPS * 32) bias_s[e] = bias[e];
-    __syncthreads();
-    const int warp = threadIdx.x >> 5, t = blockIdx.x * ROUTE_WARPS + warp;
-    if (t >= T) return;
-    route_token(logits + (size_t)t * E, bias, bias_s, scaling, E, k, topk_ids + (size_t)t * k,
-                topk_weights + (size_t)t * k, status, score[warp]);
-}
 
 // Alignment of topk_ids [T, k]: one CTA. Pairs are counted per expert, scanned into offsets, and placed in
 // pair order by a single warp so that each expert's pairs stay in increasing pair order; the experts with

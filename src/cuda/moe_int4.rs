@@ -34,8 +34,8 @@ const STAGE_TILE_BYTES: usize = match LAYOUT {
 };
 const WARPS: usize = 8;
 const ALIGN_THREADS: u32 = 512;
-/// Tokens per routing CTA (one warp each).
-const ROUTE_WARPS: usize = 4;
+/// Threads of a routing CTA (one token each).
+const ROUTE_THREADS: u32 = 256;
 /// Tokens per expert served by the narrow GEMM kernels (one n8 MMA tile); more go to the wide ones.
 const NARROW_TOKENS: usize = 8;
 
@@ -353,13 +353,10 @@ impl MoePlan {
         stream.memset_zeros(&mut self.status).map_err(|e| cuda_err("memset status", e))?;
         let (t, e, k) = (tokens as i32, self.shape.count as i32, self.k as i32);
         if let Some((l, bias)) = logits {
-            let cfg = LaunchConfig {
-                grid_dim: (tokens.div_ceil(ROUTE_WARPS) as u32, 1, 1),
-                block_dim: (ROUTE_WARPS as u32 * 32, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg =
+                LaunchConfig { grid_dim: (tokens as u32, 1, 1), block_dim: (ROUTE_THREADS, 1, 1), shared_mem_bytes: 0 };
             let mut b = stream.launch_builder(&gpu.kernels.moe_route);
-            b.arg(l).arg(bias).arg(&scaling).arg(&t).arg(&e).arg(&k);
+            b.arg(l).arg(bias).arg(&scaling).arg(&e).arg(&k);
             b.arg(&mut self.topk_ids).arg(&mut self.topk_weights).arg(&mut self.status);
             unsafe { b.launch(cfg) }.map_err(|e| cuda_err("moe_route", e))?;
             gpu.after_launch("moe_route")?;
