@@ -430,10 +430,13 @@ struct ExpertSlice {
     int expert, begin, count;
 };
 
+// The grid has at most E blocks in x, so active_experts[blockIdx.x] is in bounds: it is loaded together
+// with num_active, which leaves two dependent loads (not three) before the block's first weight copy.
 __device__ __forceinline__ bool block_expert(const int* active_experts, const int* num_active,
                                              const int* expert_offsets, ExpertSlice& s) {
-    if ((int)blockIdx.x >= *num_active) return false;
+    const int active = *num_active;
     s.expert = active_experts[blockIdx.x];
+    if ((int)blockIdx.x >= active) return false;
     s.begin = expert_offsets[s.expert];
     s.count = expert_offsets[s.expert + 1] - s.begin;
     return true;
