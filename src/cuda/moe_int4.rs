@@ -22,10 +22,10 @@ pub const MAX_TOP_K: usize = 32;
 pub const MAX_TOKENS: usize = 65_535;
 
 const GEMM_THREADS: u32 = 256;
-/// Rows per block of each GEMM (kernels/moe_int4.cu): gate/up splits K = H over 4 warps and stacks 2 row
-/// groups of 16 h rows; down gives each of the 8 warps a row group of 32 rows and all of K = I.
+/// Rows per block of each GEMM (kernels/moe_int4.cu): both split K over 4 warps and stack 2 row groups,
+/// of 16 h rows (gate/up) or 32 output rows (down).
 const GATE_UP_ROWS_PER_BLOCK: usize = 32;
-const DOWN_ROWS_PER_BLOCK: usize = 256;
+const DOWN_ROWS_PER_BLOCK: usize = 64;
 /// Bytes of one staged (16-row tile, chunk) in shared memory: the tiled layout's chunk image, or the
 /// native layout's 16 rows of 64 bytes padded to 80 plus their scales (kernels/moe_int4.cu).
 const STAGE_TILE_BYTES: usize = match LAYOUT {
