@@ -17,7 +17,9 @@
 //           own key list (the prefix tail, then its visible tree rows in increasing row order).
 //   mla_combine does the rest of the fold per row: a group's state starts from the folded slot where
 //   mla_chunk folded its leading chunks (every chunk of a folded decode, the full prefix chunks of a
-//   folded tree prefix), else from the initial state, and continues over the per-chunk slots.
+//   folded tree prefix), else from the initial state, and continues over the per-chunk slots. It
+//   splits a row's output dims over several CTAs and stages the partials in shared memory with one
+//   burst of loads, so that only the short (max, sum) chain over the groups runs serially.
 // Continuing a left fold from a stored state gives the bits of doing it in one place, so whether a
 // launch folds (a host choice by launch size) never changes the bits. All modes run the same
 // process_chunk, whose per-row arithmetic does not depend on the other rows of the tile (mma computes
@@ -448,6 +450,43 @@ __device__ void process_chunk(Smem& s, const Task& t, const Pages& pg, int n_row
     cp_async_wait<0>();  // only empty groups remain; leave none in flight at exit
 }
 
+// mla_combine's shared memory, fold list and windows (described above the kernel).
+constexpr int COMBINE_THREADS = 128;
+constexpr int STAGE_FLOATS = 8192;                        // staged partial outputs of a window (32 KB)
+constexpr int MIN_SLICE = 16;                             // fewest output dims per CTA (slices <= 32)
+constexpr int MAX_ITEMS = STAGE_FLOATS / MIN_SLICE;       // most items of a window
+static_assert(LATENT / 4 <= COMBINE_THREADS, "slices >= 4: one output dim per thread");
+static_assert(FOLD <= STAGE_FLOATS / (LATENT / 4), "a window holds at least one group");
+
+struct CombineSmem {
+    float o[STAGE_FLOATS];     // [item][slice dim] partial outputs, then [group's first item] group outputs
+    float2 item[MAX_ITEMS];    // items' (max, sum), then the factors (a, b) that fold each into its group
+    float2 group[MAX_ITEMS];   // groups' (max, sum), then the factors (a, b) of the cross-group fold
+    float l;                   // the row's final sum
+};
+static_assert(sizeof(CombineSmem) <= 48 * 1024, "static shared memory");
+
+// A row's fold list (above): `chunks` chunks, the first `pre` folded by mla_chunk.
+struct FoldList {
+    int chunks, pre, pre_groups;
+    __device__ __forceinline__ int items_before(int g) const {  // I(g)
+        return g < pre_groups ? g : pre_groups - pre + min(g * FOLD, chunks);
+    }
+    __device__ __forceinline__ int slot(int i) const { return i < pre_groups ? i * FOLD : pre + i - pre_groups; }
+};
+
+// The end of the window that starts at group g0: the most groups (at least one) whose items fit `cap`.
+__device__ __forceinline__ int window_end(const FoldList& f, int g0, int groups, int cap) {
+    const int limit = f.items_before(g0) + cap;
+    int lo = g0 + 1, hi = min(groups, g0 + cap);  // I(lo) <= limit (a group has at most FOLD <= cap items)
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (f.items_before(mid) <= limit) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 }  // namespace mla
 }  // namespace kdt
 
@@ -459,7 +498,8 @@ using namespace kdt::mla;
 // start at seq_len / SPLIT and span at most two, as (SPLIT - 1 + N) <= 2 * SPLIT for N <= 257).
 // `fold` (decode and prefix modes only; tail ignores it): z is a fold group instead of a chunk; the CTA
 // computes the group's chunks in order and folds them into one state in the group's first slot.
-// `visibility` is unused (may be null) in decode mode, where n_rows is 1.
+// `visibility` is unused (may be null) in decode mode, where n_rows is 1. `status` is two words: CTA
+// (0, 0, 0) clears status[0], the run's word, and the launch ORs its bits into status[1] (see mla_combine).
 extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)
     mla_chunk(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache,
               const int* __restrict__ block_table, const int* __restrict__ seq_len,
@@ -468,6 +508,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)
               float* __restrict__ part_o, float* __restrict__ part_ml, int* __restrict__ status) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Smem& s = *reinterpret_cast<Smem*>(smem_raw);
+    // The run's status word is cleared here (nothing else writes it before the combine), and this
+    // launch's bits go to the second word, which mla_combine moves into the first and clears.
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) status[0] = 0;
+    status += 1;
     const int request = mode == MODE_TAIL ? blockIdx.y / n_rows : blockIdx.y;
     const int prefix = max(seq_len[request], 0);
     const bool folding = fold != 0 && mode != MODE_TAIL;
@@ -525,20 +569,45 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)
     }
 }
 
-// grid (query rows), 128 threads: folds a row's chunk partials and normalizes. The fold is two-level
-// and fixed: the chunks of each fold group [g * FOLD, g * FOLD + FOLD) are folded in order from the
-// initial state, then the group states are folded in group order. Where mla_chunk already folded the
-// leading chunks of a group (`folded`: every chunk of a decode row, the full prefix chunks of a tree
-// row), the group's first slot holds that state and the fold continues from it, which gives the same
-// bits as folding those chunks here. A row longer than `max_seq_len` flags STATUS_TOO_LONG and gets
+// mla_combine: the rest of each row's fixed two-level fold (see the top of the file), then the
+// normalization. The order of the fold is a row's "fold list": with P chunks already folded by
+// mla_chunk (`pre`: every chunk of a folded decode, the full prefix chunks of a folded tree row, else
+// 0) and GP = ceil(P / FOLD) groups starting below P, it is the GP state slots g * FOLD (group g's state
+// so far), then the per-chunk slots P, P + 1, ... up to the row's last chunk. Item i < GP is the state
+// of group i; item i >= GP is chunk slot P + i - GP; group g's items are [I(g), I(g + 1)) (FoldList).
+// Group g starts from its state item (g < GP) or from the initial state, and folds its other items in
+// order; then the group states are folded in group order: the same fold_ml / fold_o with the same
+// operands in the same order as a single loop over the groups, so the bits are those of that loop.
+//
+// Nothing waits on a chain of global loads: a CTA takes one row and a slice of its 512 output dims
+// (`slices` CTAs per row) and walks the fold list in windows of whole groups whose items fit the
+// staging buffer. Per window: (1) one cp.async burst brings the items' (max, sum) and the slice of
+// their partial outputs into shared memory; (2) one thread per group folds the group's (max, sum) in
+// order, leaving each item's factors (a, b); (3) thread 0 folds the group states in order (the only
+// serial chain, on shared memory), leaving each group's factors, while the other threads fold each
+// (group, dim)'s outputs with the item factors; (4) one thread per dim folds the group outputs.
+//
+// grid (query rows * slices), COMBINE_THREADS threads; `slices` (a power of two in 4..32) CTAs per row,
+// each over LATENT / slices output dims. A row longer than `max_seq_len` flags STATUS_TOO_LONG and gets
 // o = 0, lse = -inf. Row r is (request, tree row, head) = (r / (N*H), r / H % N, r % H); decode passes
-// n_rows 1 and no visibility.
-extern "C" __global__ void __launch_bounds__(128)
+// n_rows 1 and no visibility. `folded`: the chunk launch folded its fold groups (see `pre` above).
+// status[1] holds the chunk launches' bits: CTA 0 moves them into status[0], the run's status word.
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
     mla_combine(const int* __restrict__ seq_len, const uint32_t* __restrict__ visibility, int n_rows, int words,
-                int heads, int max_chunks, int max_seq_len, int folded, const float* __restrict__ part_o,
+                int heads, int max_chunks, int max_seq_len, int folded, int slices, const float* __restrict__ part_o,
                 const float* __restrict__ part_ml, float* __restrict__ o, float* __restrict__ lse,
                 int* __restrict__ status) {
-    const long long r = blockIdx.x;
+    __shared__ CombineSmem s;
+    const int tid = threadIdx.x;
+    const int slice_shift = __ffs(slices) - 1, dims_shift = __ffs(LATENT / slices) - 1;
+    const int dims = LATENT >> slice_shift;
+    const long long r = blockIdx.x >> slice_shift;
+    const int slice = blockIdx.x & (slices - 1);
+    if (blockIdx.x == 0 && tid == 0) {
+        const int bits = status[1];
+        if (bits != 0) atomicOr(status, bits);
+        status[1] = 0;
+    }
     const long long tree_row = r / heads;
     const int request = (int)(tree_row / n_rows);
     const int prefix = max(seq_len[request], 0);
@@ -546,53 +615,95 @@ extern "C" __global__ void __launch_bounds__(128)
     if (visibility != nullptr) len += tree_count(visibility + tree_row * words, n_rows);
     int chunks = (len + SPLIT - 1) / SPLIT;
     if (len > max_seq_len || chunks > max_chunks) {
-        if (threadIdx.x == 0) atomicOr(status, STATUS_TOO_LONG);
+        if (slice == 0 && tid == 0) atomicOr(status, STATUS_TOO_LONG);
         chunks = 0;
     }
     const int pre = folded == 0 ? 0 : (visibility != nullptr ? min(prefix / SPLIT, chunks) : chunks);
-    float m = -INFINITY, l = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int g0 = 0; g0 < chunks; g0 += FOLD) {
-        const int g1 = min(g0 + FOLD, chunks);
-        float gm = -INFINITY, gl = 0.f;
-        float4 gacc = make_float4(0.f, 0.f, 0.f, 0.f);
-        int c = g0;
-        if (g0 < pre) {
-            const long long idx = r * max_chunks + g0;
-            gm = part_ml[2 * idx];
-            gl = part_ml[2 * idx + 1];
-            gacc = reinterpret_cast<const float4*>(part_o + idx * LATENT)[threadIdx.x];
-            c = min(g1, pre);
+    const FoldList f{chunks, pre, (pre + FOLD - 1) / FOLD};
+    const int groups = (chunks + FOLD - 1) / FOLD;
+    const int cap = STAGE_FLOATS >> dims_shift;  // items per window
+    const int piece_shift = dims_shift - 2;      // 16-byte pieces per item: dims / 4
+    const long long base = r * max_chunks;
+    const float* src_o = part_o + slice * dims;
+    float m = -INFINITY, l = 0.f;  // the cross-group state (thread 0)
+    float acc = 0.f;               // the output of dim `tid` of the slice (tid < dims)
+    for (int gw0 = 0; gw0 < groups;) {
+        const int gw1 = window_end(f, gw0, groups, cap);
+        const int i0 = f.items_before(gw0), n_items = f.items_before(gw1) - i0, n_groups = gw1 - gw0;
+        for (int k = tid; k < n_items; k += COMBINE_THREADS)
+            kdt::cp_async8(&s.item[k], part_ml + 2 * (base + f.slot(i0 + k)));
+        kdt::cp_async_commit();
+        for (int p = tid; p < (n_items << piece_shift); p += COMBINE_THREADS) {
+            const int k = p >> piece_shift, q = p & ((1 << piece_shift) - 1);
+            kdt::cp_async16(&s.o[(k << dims_shift) + 4 * q], src_o + (base + f.slot(i0 + k)) * LATENT + 4 * q, 16);
         }
-        // The group's partials are loaded before folding, so their loads are in flight together.
-        float4 oc[FOLD];
-        float2 ml[FOLD];
+        kdt::cp_async_commit();
+        kdt::cp_async_wait<1>();  // this thread's (max, sum) loads have landed ...
+        __syncthreads();     // ... and everyone's
+        // Each group's (max, sum) fold, in item order from its state item or the initial state.
+        for (int gg = tid; gg < n_groups; gg += COMBINE_THREADS) {
+            const int g = gw0 + gg;
+            int k = f.items_before(g) - i0;
+            const int k1 = f.items_before(g + 1) - i0;
+            float gm = -INFINITY, gl = 0.f;
+            if (g < f.pre_groups) {
+                gm = s.item[k].x;
+                gl = s.item[k].y;
+                ++k;
+            }
+            for (; k < k1; ++k) {
+                const float2 c = s.item[k];
+                float a, b;
+                fold_ml(gm, gl, c.x, c.y, a, b);
+                s.item[k] = make_float2(a, b);
+            }
+            s.group[gg] = make_float2(gm, gl);
+        }
+        kdt::cp_async_wait<0>();
+        __syncthreads();  // item factors, group states and the staged outputs are complete
+        if (tid == 0) {
+            // The cross-group (max, sum) chain: short dependent steps on shared memory.
+#pragma unroll 4
+            for (int gg = 0; gg < n_groups; ++gg) {
+                const float2 gs = s.group[gg];
+                float a, b;
+                fold_ml(m, l, gs.x, gs.y, a, b);
+                s.group[gg] = make_float2(a, b);
+            }
+        }
+        // Each (group, dim)'s output fold over the group's items, left in the group's first item row.
+        for (int p = tid; p < (n_groups << dims_shift); p += COMBINE_THREADS) {
+            const int g = gw0 + (p >> dims_shift), d = p & (dims - 1);
+            const int k0 = f.items_before(g) - i0, n = f.items_before(g + 1) - i0 - k0;
+            float v[FOLD];
+            float2 ab[FOLD];
 #pragma unroll
-        for (int k = 0; k < FOLD; ++k) {
-            if (c + k >= g1) break;
-            const long long idx = r * max_chunks + c + k;
-            oc[k] = reinterpret_cast<const float4*>(part_o + idx * LATENT)[threadIdx.x];
-            ml[k] = reinterpret_cast<const float2*>(part_ml)[idx];
-        }
+            for (int j = 0; j < FOLD; ++j) {
+                v[j] = j < n ? s.o[((k0 + j) << dims_shift) + d] : 0.f;
+                ab[j] = j < n ? s.item[k0 + j] : make_float2(0.f, 0.f);
+            }
+            const bool state = g < f.pre_groups;
+            float gacc = state ? v[0] : 0.f;
 #pragma unroll
-        for (int k = 0; k < FOLD; ++k) {
-            if (c + k >= g1) break;
-            float a, b;
-            fold_ml(gm, gl, ml[k].x, ml[k].y, a, b);
-            gacc.x = fold_o(gacc.x, a, oc[k].x, b);
-            gacc.y = fold_o(gacc.y, a, oc[k].y, b);
-            gacc.z = fold_o(gacc.z, a, oc[k].z, b);
-            gacc.w = fold_o(gacc.w, a, oc[k].w, b);
+            for (int j = 0; j < FOLD; ++j)
+                if (j < n && !(state && j == 0)) gacc = fold_o(gacc, ab[j].x, v[j], ab[j].y);
+            s.o[(k0 << dims_shift) + d] = gacc;
         }
-        float a, b;
-        fold_ml(m, l, gm, gl, a, b);
-        acc.x = fold_o(acc.x, a, gacc.x, b);
-        acc.y = fold_o(acc.y, a, gacc.y, b);
-        acc.z = fold_o(acc.z, a, gacc.z, b);
-        acc.w = fold_o(acc.w, a, gacc.w, b);
+        __syncthreads();  // group outputs and cross-group factors are complete
+        if (tid < dims) {
+#pragma unroll 4
+            for (int gg = 0; gg < n_groups; ++gg) {
+                const float2 ab = s.group[gg];
+                acc = fold_o(acc, ab.x, s.o[((f.items_before(gw0 + gg) - i0) << dims_shift) + tid], ab.y);
+            }
+        }
+        __syncthreads();  // the window's shared memory is free
+        gw0 = gw1;
     }
-    float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (chunks > 0) out = make_float4(__fdiv_rn(acc.x, l), __fdiv_rn(acc.y, l), __fdiv_rn(acc.z, l), __fdiv_rn(acc.w, l));
-    reinterpret_cast<float4*>(o + r * LATENT)[threadIdx.x] = out;
-    if (threadIdx.x == 0) lse[r] = chunks > 0 ? __fmul_rn(__fadd_rn(m, log2f(l)), LN2) : -INFINITY;
+    if (tid == 0) {
+        s.l = l;
+        if (slice == 0) lse[r] = chunks > 0 ? __fmul_rn(__fadd_rn(m, log2f(l)), LN2) : -INFINITY;
+    }
+    __syncthreads();
+    if (tid < dims) o[r * LATENT + slice * dims + tid] = chunks > 0 ? __fdiv_rn(acc, s.l) : 0.f;
 }

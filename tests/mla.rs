@@ -375,6 +375,9 @@ mod gpu {
         gpu_vs_cpu("tree long prefix", 5, 8, 64, &[4096, 4000], 64);
         gpu_vs_cpu("decode bs 32", 6, 16, 16, &(0..32).map(|b| 1 + b * 97).collect::<Vec<i32>>(), 0);
         gpu_vs_cpu("tree bs 32", 7, 8, 16, &(0..32).map(|b| b * 41).collect::<Vec<i32>>(), 16);
+        // 128 rows: the combine takes 128 dims per CTA and stages at most 64 chunks' partials at a time,
+        // so these rows (65 and 66 chunks) fold over two windows.
+        gpu_vs_cpu("decode over two combine windows", 8, 64, 64, &[16500, 16700], 0);
     }
 
     /// A tree batch: bs requests with prefixes `seq`, budget B, on a page-16 cache; q and visibility.
@@ -451,8 +454,8 @@ mod gpu {
         }
     }
 
-    /// Large decode batches fold their chunks by groups inside a CTA (src/cuda/mla.rs FOLD_MIN_CTAS),
-    /// a request alone does not: both must give the same bits.
+    /// Large decode batches fold their chunks by groups inside a CTA (src/cuda/mla.rs `folds`), a
+    /// request alone does not: both must give the same bits.
     #[test]
     fn gpu_folded_decode_gives_the_same_bits_as_a_request_alone() {
         let Some(gpu) = gpu() else { return };

@@ -5,7 +5,9 @@
 //! [`SPLIT`] rows) for a maximum shape; its `run_*` methods only queue kernels, with grids sized from the
 //! run's `max_seq_len`. Decode is two launches (chunks, combine); tree verify three (the chunks inside
 //! the prefix for all N×H rows of a request, the per-row tail chunks, combine). Large launches fold
-//! groups of `FOLD` (4) chunks inside a CTA and write one partial per group (same bits).
+//! groups of `FOLD` (4) chunks inside a CTA and write one partial per group (same bits; see [`folds`]).
+//! No memset either: the first chunk launch clears the status word, and the combine moves the chunk
+//! launches' bits into it.
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 use half::bf16;
@@ -22,8 +24,16 @@ use crate::types::KvLayout;
 const CHUNK_THREADS: u32 = 256;
 /// Query rows per `mla_chunk` CTA (kernels/mla.cu BM).
 const TILE_ROWS: usize = 16;
-/// Threads of `mla_combine`: four output dims each.
+/// Threads of `mla_combine` (kernels/mla.cu COMBINE_THREADS).
 const COMBINE_THREADS: u32 = 128;
+/// `mla_combine` splits each row's 512 output dims over this many CTAs at least (kernels/mla.cu: a power
+/// of two in 4..=32, so that a CTA holds 16 to 128 dims, one per thread) ...
+const MIN_COMBINE_SLICES: usize = 4;
+/// ... and at most this many.
+const MAX_COMBINE_SLICES: usize = 32;
+/// The combine aims at this many CTAs (about four per SM of a 132-SM GPU, with its 40 KB of shared
+/// memory five fit), so that a small batch's partials are pulled by every SM instead of one CTA per row.
+const COMBINE_CTAS: usize = 512;
 /// Chunk slots of the tail launch: the chunks holding tree rows start at `seq_len / SPLIT` and span at
 /// most two, since `SPLIT - 1 + N <= 2 * SPLIT` for N up to [`MAX_TREE_ROWS`].
 const TAIL_CHUNKS: u32 = 2;
@@ -38,10 +48,16 @@ pub(crate) const CHUNK_SHARED_BYTES: usize =
     2 * 32 * (ROW + 8) * 2 + 4 * 16 * 36 * 4 + 2 * 16 * 40 * 2 + 3 * 16 * 4 + SPLIT * 8;
 /// Chunks per fold group (kernels/mla.cu FOLD).
 const FOLD: usize = 4;
-/// A decode or tree-prefix launch folds each group of [`FOLD`] chunks inside one CTA (writing one
-/// partial per group instead of one per chunk) when the unfolded launch would have at least this many
-/// CTAs, so that the folded one still fills the GPU several times over. The bits do not depend on it.
-const FOLD_MIN_CTAS: usize = 2048;
+/// `mla_chunk` CTAs resident at once on an H200: 132 SMs, two CTAs each (launch bounds and shared memory).
+const CHUNK_SLOTS: usize = 264;
+/// Cost of a last, partial wave of chunk CTAs, in chunk times of a full wave, however few CTAs it has:
+/// one CTA alone takes about 15 µs (the latency chain of its 8 sub-tiles) against about 21.7 µs per chunk
+/// in a full, memory-bound wave (H8 bs 64 prefix 65536: 16384 chunks in 1.35 ms).
+const PARTIAL_WAVE: f64 = 0.7;
+/// Cache bytes a chunk reads: [`SPLIT`] rows of 576 bf16.
+const CHUNK_BYTES: usize = SPLIT * ROW * 2;
+/// Bytes of one query row's partial output and (max, sum).
+const PARTIAL_BYTES: usize = (LATENT + 2) * 4;
 
 /// Kernel modes (kernels/mla.cu MODE_*).
 const MODE_DECODE: i32 = 0;
@@ -85,7 +101,12 @@ pub struct MlaPlan {
     max_chunks: usize,
     part_o: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
+    /// `[run's status word, chunk launches' bits]`: the first chunk launch of a run clears word 0, the
+    /// chunk launches OR their bits into word 1, and the combine ORs word 1 into word 0 and clears it.
     status: CudaSlice<i32>,
+    /// A run queued its chunk launches but not its combine (a launch failed), so word 1 of `status` may
+    /// hold stale bits: the next run clears both words first.
+    status_dirty: bool,
 }
 
 impl MlaPlan {
@@ -115,7 +136,8 @@ impl MlaPlan {
             max_chunks,
             part_o: gpu.zeros(rows * LATENT)?,
             part_ml: gpu.zeros(rows * 2)?,
-            status: gpu.zeros(1)?,
+            status: gpu.zeros(2)?,
+            status_dirty: false,
         })
     }
 
@@ -145,7 +167,7 @@ impl MlaPlan {
         self.check_run(gpu, &x, out)?;
         self.reset_status(gpu)?;
         let (tiles, chunks) = (self.heads.div_ceil(TILE_ROWS), max_seq_len.div_ceil(SPLIT));
-        let fold = folds(tiles * x.bs(), chunks);
+        let fold = folds(tiles * x.bs(), chunks, self.heads.min(TILE_ROWS));
         let slots = if fold { chunks.div_ceil(FOLD) } else { chunks };
         self.launch_chunks(gpu, MODE_DECODE, fold, (tiles as u32, x.bs() as u32, slots as u32), &x)?;
         self.launch_combine(gpu, &x, fold, out)
@@ -176,7 +198,7 @@ impl MlaPlan {
         let bs = x.bs();
         // The prefix launch covers the chunks wholly inside a prefix: none when max_seq_len < SPLIT.
         let (prefix_tiles, full_chunks) = ((n_rows * self.heads).div_ceil(TILE_ROWS), max_seq_len / SPLIT);
-        let fold = folds(prefix_tiles * bs, full_chunks);
+        let fold = folds(prefix_tiles * bs, full_chunks, (n_rows * self.heads).min(TILE_ROWS));
         if full_chunks > 0 {
             let slots = if fold { full_chunks.div_ceil(FOLD) } else { full_chunks };
             self.launch_chunks(gpu, MODE_PREFIX, fold, (prefix_tiles as u32, bs as u32, slots as u32), &x)?;
@@ -244,8 +266,14 @@ impl MlaPlan {
         check_aligned("o", out.o.device_ptr(stream).0, 16)
     }
 
+    /// Before a run's launches: the kernels keep the status words themselves (see `status`), unless a
+    /// previous run stopped between its chunk launches and its combine.
     fn reset_status(&mut self, gpu: &Gpu) -> Result<()> {
-        gpu.stream().memset_zeros(&mut self.status).map_err(|e| cuda_err("memset mla status", e))
+        if self.status_dirty {
+            gpu.stream().memset_zeros(&mut self.status).map_err(|e| cuda_err("memset mla status", e))?;
+        }
+        self.status_dirty = true;
+        Ok(())
     }
 
     /// One `mla_chunk` launch in `mode` over `grid` (m-tiles, request groups, chunk slots or, with
@@ -274,13 +302,15 @@ impl MlaPlan {
         gpu.after_launch("mla_chunk")
     }
 
-    /// The `mla_combine` launch: one CTA per query row; `folded`: the chunk launch before it folded its
-    /// fold groups.
+    /// The `mla_combine` launch: [`combine_slices`] CTAs per query row; `folded`: the chunk launch before
+    /// it folded its fold groups. Ends the run (the status words are consistent again).
     fn launch_combine(&mut self, gpu: &Gpu, x: &Inputs, folded: bool, out: &mut DeviceMlaOutput) -> Result<()> {
         let rows = x.bs() * x.n_rows * self.heads;
+        let slices = combine_slices(rows);
         let shape = [x.n_rows as i32, x.n_rows.div_ceil(32) as i32, self.heads as i32, self.max_chunks as i32];
-        let cfg =
-            LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (COMBINE_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let ctas = u32::try_from(rows * slices)
+            .map_err(|_| Error::param("bs * N * H", rows, "too many rows for one combine launch"))?;
+        let cfg = LaunchConfig { grid_dim: (ctas, 1, 1), block_dim: (COMBINE_THREADS, 1, 1), shared_mem_bytes: 0 };
         let null: u64 = 0;
         let mut b = gpu.stream().launch_builder(&gpu.kernels.mla_combine);
         b.arg(x.seq_len);
@@ -288,10 +318,11 @@ impl MlaPlan {
             Some(v) => b.arg(v),
             None => b.arg(&null),
         };
-        let (max_seq_len, folded) = (x.max_seq_len as i32, folded as i32);
-        b.arg(&shape[0]).arg(&shape[1]).arg(&shape[2]).arg(&shape[3]).arg(&max_seq_len).arg(&folded);
+        let (max_seq_len, folded, slices) = (x.max_seq_len as i32, folded as i32, slices as i32);
+        b.arg(&shape[0]).arg(&shape[1]).arg(&shape[2]).arg(&shape[3]).arg(&max_seq_len).arg(&folded).arg(&slices);
         b.arg(&self.part_o).arg(&self.part_ml).arg(&mut out.o).arg(&mut out.lse).arg(&mut self.status);
         unsafe { b.launch(cfg) }.map_err(|e| cuda_err("mla_combine", e))?;
+        self.status_dirty = false;
         gpu.after_launch("mla_combine")
     }
 }
@@ -313,10 +344,44 @@ impl Inputs<'_, '_> {
     }
 }
 
-/// Whether a launch of `groups` (m-tiles x request groups) x `chunks` CTAs folds its chunks by groups of
-/// [`FOLD`] (see [`FOLD_MIN_CTAS`]).
-fn folds(groups: usize, chunks: usize) -> bool {
-    chunks > 1 && groups.saturating_mul(chunks) >= FOLD_MIN_CTAS
+/// Whether a launch of `groups` (m-tiles × request groups) × `chunks` CTAs, each over `tile_rows` valid
+/// query rows, folds its chunks by groups of [`FOLD`] inside a CTA (one partial per group instead of one
+/// per chunk). The bits do not depend on it; the time does, by two effects that this weighs in chunk
+/// times of a full wave (about 21.7 µs on an H200, where the launch is memory-bound):
+/// - waves: C CTAs of k chunks run as C / S full waves of S = [`CHUNK_SLOTS`] CTAs and a last wave of
+///   the rest, which costs its share of a wave but never less than [`PARTIAL_WAVE`] (a CTA's chunk has a
+///   latency floor): k · (⌊C / S⌋ + max((C mod S) / S, PARTIAL_WAVE)). Folding makes the CTAs four
+///   times longer, so its last wave weighs four times as much;
+/// - partials: an unfolded chunk writes `tile_rows` partials (2 KiB each) that the combine reads back,
+///   2 · 16 KiB per 288 KiB chunk at H 8 (+11% traffic), 2 · 32 KiB at 16 rows (+22%); folded, a quarter.
+///
+/// Folding also needs the folded launch to fill one wave: below that, each CTA runs its four chunks
+/// back to back at the latency floor (60 µs or more), where this estimate is the least reliable.
+/// H 8 on an H200: bs 8 × prefix 65536 (2048 chunks, 512 folded CTAs) folds: 7.76 · 1.03 = 7.97 against
+/// 7.76 · 1.11 = 8.62 chunk times (about 173 µs against 187 µs); bs 1 × 65536 (256 chunks) and bs 8 ×
+/// 16384 (512 chunks) do not (64 and 128 folded CTAs, below a wave); 2200 chunks do not either
+/// (550 folded CTAs leave a last wave of 22: 10.8 · 1.03 against 8.7 · 1.11).
+fn folds(groups: usize, chunks: usize, tile_rows: usize) -> bool {
+    let folded_ctas = groups.saturating_mul(chunks.div_ceil(FOLD));
+    if chunks <= 1 || folded_ctas < CHUNK_SLOTS {
+        return false;
+    }
+    let waves = |ctas: usize, per_cta: usize| {
+        let (full, rest) = (ctas / CHUNK_SLOTS, ctas % CHUNK_SLOTS);
+        let last = if rest == 0 { 0.0 } else { (rest as f64 / CHUNK_SLOTS as f64).max(PARTIAL_WAVE) };
+        per_cta as f64 * (full as f64 + last)
+    };
+    let traffic = 2.0 * (tile_rows * PARTIAL_BYTES) as f64 / CHUNK_BYTES as f64;
+    let unfolded = waves(groups.saturating_mul(chunks), 1) * (1.0 + traffic);
+    let per_cta = chunks.min(FOLD);
+    let folded = waves(folded_ctas, per_cta) * (1.0 + traffic / per_cta as f64);
+    folded < unfolded
+}
+
+/// CTAs per query row of `mla_combine`: the fewest (a power of two in
+/// [`MIN_COMBINE_SLICES`]..=[`MAX_COMBINE_SLICES`]) that give [`COMBINE_CTAS`] CTAs.
+fn combine_slices(rows: usize) -> usize {
+    COMBINE_CTAS.div_ceil(rows.max(1)).next_power_of_two().clamp(MIN_COMBINE_SLICES, MAX_COMBINE_SLICES)
 }
 
 /// A layout that passes the layout checks, for checking a plan's head count alone.
@@ -421,5 +486,35 @@ impl Gpu {
         plan.run_tree_verify(self, &q_dev, n, &dev_cache, &seq_dev, max_seq_len, &vis_dev, scale, &mut out)?;
         plan.check_status(self)?;
         up.output(self, rows)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fold_choices_follow_the_wave_arithmetic() {
+        // H 8 decodes (one m-tile of 8 valid rows per request).
+        assert!(!folds(1, 256, 8), "bs 1 prefix 65536: 64 folded CTAs, below a wave");
+        assert!(!folds(8, 64, 8), "bs 8 prefix 16384: 128 folded CTAs");
+        assert!(folds(8, 256, 8), "bs 8 prefix 65536");
+        assert!(folds(64, 256, 8), "bs 64 prefix 65536");
+        assert!(!folds(2200, 1, 8) && !folds(1, 1, 8), "a single chunk never folds");
+        assert!(!folds(550, 4, 8), "550 folded CTAs: a last wave of 22 CTAs of four chunks");
+        // The GPU test of folded decodes (H 64, bs 64, 8 chunks) must fold.
+        assert!(folds(4 * 64, 8, 16));
+    }
+
+    #[test]
+    fn combine_slices_are_powers_of_two_in_range() {
+        assert_eq!(combine_slices(8), 32);
+        assert_eq!(combine_slices(64), 8);
+        assert_eq!(combine_slices(128), 4);
+        assert_eq!(combine_slices(1 << 20), 4);
+        for rows in 1..2000 {
+            let s = combine_slices(rows);
+            assert!(s.is_power_of_two() && (MIN_COMBINE_SLICES..=MAX_COMBINE_SLICES).contains(&s));
+        }
     }
 }
