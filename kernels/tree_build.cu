@@ -21,10 +21,11 @@ __device__ __forceinline__ int info_depth(uint32_t v) { return (int)((v >> 12) &
 __device__ __forceinline__ int info_rank(uint32_t v) { return (int)(v & 0xFFF); }
 
 // Shared memory of one request: the read-only log-probs, the rows appended so far, and the bitmask.
+// Only lane 0 touches the per-row arrays, and each lane only its own bitmask word of every row, so no
+// lane reads what another wrote until the output loop (after a __syncwarp).
 struct Layout {
     float* logp;           // [L*K] this request's top_logp
     uint32_t* node_info;   // [N] parent / depth / rank of each row
-    float* node_logw;      // [N] score of each row (the base of its next sibling's score)
     int* first_child;      // [N] row of the first child, or -1
     int* next_sibling;     // [N] row of the next sibling, or -1
     int* last_child;       // [N] latest child row appended so far
@@ -35,83 +36,120 @@ __device__ Layout carve(char* smem, int lk, int n_rows) {
     Layout s;
     s.logp = reinterpret_cast<float*>(smem);
     s.node_info = reinterpret_cast<uint32_t*>(s.logp + lk);
-    s.node_logw = reinterpret_cast<float*>(s.node_info + n_rows);
-    s.first_child = reinterpret_cast<int*>(s.node_logw + n_rows);
+    s.first_child = reinterpret_cast<int*>(s.node_info + n_rows);
     s.next_sibling = s.first_child + n_rows;
     s.last_child = s.next_sibling + n_rows;
     s.vis = reinterpret_cast<uint32_t*>(s.last_child + n_rows);
     return s;
 }
 
-// The frontier as one array sorted best first (larger key, then earlier push), spread over the warp:
+// A frontier candidate: its score, its parent's score (the base of its next sibling's score) and
+// parent / depth / rank. A NaN score marks an empty place (it compares false with everything).
+struct Candidate {
+    float logw;
+    float base;
+    uint32_t info;
+};
+
+// The frontier as one array sorted best first (larger logw, then earlier push), spread over the warp:
 // element j is register j / 32 of lane j % 32. Each step pops element 0 and inserts at most two new
 // candidates; both are pushed after every candidate already there, so each goes right after the
-// elements whose key is >= its own, and the earlier push order of equal keys is kept by position alone.
-// The array holds the budget's worth of elements: at most `budget` more pops follow, so a candidate
-// pushed past that many better ones can never be popped and is dropped. A step is a few ballots and
-// shuffles with no data-dependent loop, which keeps the sequential pop chain short.
+// elements whose logw is >= its own, and the earlier push order of equal scores is kept by position
+// alone. The array holds the budget's worth of elements: at most `budget` more pops follow, so a
+// candidate pushed past that many better ones can never be popped and is dropped. The pops form one
+// dependent chain, and a lone warp pays each instruction's latency, so a step is kept to ballots,
+// shuffles and selects with no branch.
 template <int SPL>
 struct SortedFrontier {
-    uint32_t key[SPL];   // order key of the candidate's logw; 0 = empty
-    uint32_t info[SPL];  // parent / depth / rank
+    float logw[SPL];
+    float base[SPL];
+    uint32_t info[SPL];
 
-    __device__ __forceinline__ void init(uint32_t first_key, uint32_t first_info) {
+    __device__ __forceinline__ void init(const Candidate& first) {
 #pragma unroll
-        for (int j = 0; j < SPL; ++j) key[j] = info[j] = 0;
+        for (int j = 0; j < SPL; ++j) {
+            logw[j] = base[j] = __int_as_float(0x7FC00000);
+            info[j] = 0;
+        }
         if (threadIdx.x == 0) {
-            key[0] = first_key;
-            info[0] = first_info;
+            logw[0] = first.logw;
+            base[0] = first.base;
+            info[0] = first.info;
         }
     }
 
-    // Elements other than the head (element 0) whose key is >= x: a prefix of the array after the head.
-    __device__ __forceinline__ int count_ge_after_head(uint32_t x) const {
+    // Element i < 32 (register 0 of lane i), in every lane.
+    __device__ __forceinline__ Candidate element(int i) const {
+        return {__shfl_sync(0xFFFFFFFFu, logw[0], i), __shfl_sync(0xFFFFFFFFu, base[0], i),
+                __shfl_sync(0xFFFFFFFFu, info[0], i)};
+    }
+
+    // Elements other than the head (element 0) whose logw is >= x: a prefix of the array after the head.
+    __device__ __forceinline__ int count_ge_after_head(float x) const {
         int count = 0;
 #pragma unroll
         for (int j = 0; j < SPL; ++j)
-            count += __popc(__ballot_sync(0xFFFFFFFFu, key[j] >= x && (j > 0 || threadIdx.x > 0)));
+            count += __popc(__ballot_sync(0xFFFFFFFFu, logw[j] >= x && (j > 0 || threadIdx.x > 0)));
         return count;
     }
 
-    // Removes the head and inserts (k1, i1) then (k2, i2); a zero key is no candidate.
-    __device__ __forceinline__ void pop_and_push(uint32_t k1, uint32_t i1, uint32_t k2, uint32_t i2) {
-        constexpr int CAP = 32 * SPL;
-        // Final positions: each new candidate follows the kept elements with keys >= its own, and the
-        // second follows the first when their keys are equal (the first was pushed first).
-        const int c1 = k1 ? count_ge_after_head(k1) : CAP, c2 = k2 ? count_ge_after_head(k2) : CAP;
-        const int pos1 = k1 ? c1 + (int)(k2 > k1) : CAP;
-        const int pos2 = k2 ? c2 + (int)(k1 != 0 && k1 >= k2) : CAP;
+    // Element `at + delta` of the array (delta in -1..1, at = 32 j + lane), with NaN past its end. A
+    // shift across a register boundary reads the neighbouring register of the wrapped lane, which that
+    // lane offers in the same shuffle (lane 0 offers register j + 1, lane 31 register j - 1).
+    template <typename T>
+    __device__ __forceinline__ T shifted(const T (&v)[SPL], int j, int delta, T none) const {
         const int lane = threadIdx.x;
-        uint32_t new_key[SPL], new_info[SPL];
+        const T same = __shfl_sync(0xFFFFFFFFu, v[j], (lane + delta) & 31);
+        const T next = j + 1 < SPL ? v[j + 1 < SPL ? j + 1 : j] : none;
+        const T prev = j > 0 ? v[j > 0 ? j - 1 : j] : none;
+        const T across = __shfl_sync(0xFFFFFFFFu, lane == 0 ? next : prev, lane == 31 ? 0 : 31);
+        return (lane == 31 && delta == 1) || (lane == 0 && delta == -1) ? across : same;
+    }
+
+    // Removes the head and inserts a (if has_a) then b (if has_b).
+    __device__ __forceinline__ void pop_and_push(bool has_a, const Candidate& a, bool has_b, const Candidate& b) {
+        constexpr int CAP = 32 * SPL;
+        // Final places: each new candidate follows the kept elements with logw >= its own, and b also
+        // follows a when their scores are equal (a was pushed first).
+        const int count_a = count_ge_after_head(a.logw), count_b = count_ge_after_head(b.logw);
+        const int pos_a = has_a ? count_a + (int)(has_b && b.logw > a.logw) : CAP;
+        const int pos_b = has_b ? count_b + (int)(has_a && a.logw >= b.logw) : CAP;
+        const float nan = __int_as_float(0x7FC00000);
+        float new_logw[SPL], new_base[SPL];
+        uint32_t new_info[SPL];
 #pragma unroll
         for (int j = 0; j < SPL; ++j) {
-            const int at = j * 32 + lane;
-            // Source of a kept element: its old index is at + 1 (the head left) less the insertions before it.
-            const int delta = 1 - (int)(pos1 < at) - (int)(pos2 < at);
-            const int src_lane = (lane + delta) & 31;
-            uint32_t sk = __shfl_sync(0xFFFFFFFFu, key[j], src_lane);
-            uint32_t si = __shfl_sync(0xFFFFFFFFu, info[j], src_lane);
-            const uint32_t next_k = j + 1 < SPL ? __shfl_sync(0xFFFFFFFFu, key[j + 1 < SPL ? j + 1 : j], 0) : 0u;
-            const uint32_t next_i = j + 1 < SPL ? __shfl_sync(0xFFFFFFFFu, info[j + 1 < SPL ? j + 1 : j], 0) : 0u;
-            const uint32_t prev_k = j > 0 ? __shfl_sync(0xFFFFFFFFu, key[j > 0 ? j - 1 : 0], 31) : 0u;
-            const uint32_t prev_i = j > 0 ? __shfl_sync(0xFFFFFFFFu, info[j > 0 ? j - 1 : 0], 31) : 0u;
-            if (lane == 31 && delta == 1) {
-                sk = next_k;
-                si = next_i;
-            } else if (lane == 0 && delta == -1) {
-                sk = prev_k;
-                si = prev_i;
-            }
-            new_key[j] = at == pos1 ? k1 : at == pos2 ? k2 : sk;
-            new_info[j] = at == pos1 ? i1 : at == pos2 ? i2 : si;
+            const int at = j * 32 + (int)threadIdx.x;
+            // A kept element came from at + 1 (the head left) less the insertions placed before it.
+            const int delta = 1 - (int)(pos_a < at) - (int)(pos_b < at);
+            const float kept_logw = shifted(logw, j, delta, nan);
+            const float kept_base = shifted(base, j, delta, nan);
+            const uint32_t kept_info = shifted(info, j, delta, 0u);
+            new_logw[j] = at == pos_a ? a.logw : at == pos_b ? b.logw : kept_logw;
+            new_base[j] = at == pos_a ? a.base : at == pos_b ? b.base : kept_base;
+            new_info[j] = at == pos_a ? a.info : at == pos_b ? b.info : kept_info;
         }
 #pragma unroll
         for (int j = 0; j < SPL; ++j) {
-            key[j] = new_key[j];
+            logw[j] = new_logw[j];
+            base[j] = new_base[j];
             info[j] = new_info[j];
         }
     }
 };
+
+// The two log-probs a popped candidate (depth d, rank r) extends: its next sibling's, top_logp[d-1][r+1],
+// and its first child's, top_logp[d][0]. Indices are clamped so that an absent one (or an empty
+// candidate, info 0) still reads in bounds.
+struct Loaded {
+    float sibling;
+    float child;
+};
+
+__device__ __forceinline__ Loaded load_logp(const Layout& s, uint32_t info, int k, int depth_max) {
+    const int d = info_depth(info), r = info_rank(info);
+    return {s.logp[max(d - 1, 0) * k + min(r + 1, k - 1)], s.logp[min(d, depth_max - 1) * k]};
+}
 
 template <int SPL>
 __device__ void build_one(const int* __restrict__ top_ids, const float* __restrict__ top_logp, int root_token,
@@ -123,48 +161,68 @@ __device__ void build_one(const int* __restrict__ top_ids, const float* __restri
     const int n_rows = budget + 1, words = (n_rows + 31) / 32, lk = depth_max * k;
     Layout s = carve(smem, lk, n_rows);
 
-    // Eight loads in flight per lane: this copy is latency-bound, not bandwidth-bound.
+    // The copy is latency-bound: every lane keeps PRELOAD loads in flight (one round up to 1024 values).
+    constexpr int PRELOAD = 32;
     int flags = 0;
-#pragma unroll 8
-    for (int i = lane; i < lk; i += 32) {
-        float v = __ldg(top_logp + i);
-        flags |= isnan(v) ? STATUS_NAN : 0;
-        s.logp[i] = v;
+    for (int chunk = 0; chunk < lk; chunk += 32 * PRELOAD) {
+        float v[PRELOAD];
+#pragma unroll
+        for (int j = 0; j < PRELOAD; ++j) {
+            const int i = chunk + 32 * j + lane;
+            v[j] = i < lk ? __ldg(top_logp + i) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < PRELOAD; ++j) {
+            const int i = chunk + 32 * j + lane;
+            if (i >= lk) break;
+            flags |= isnan(v[j]) ? STATUS_NAN : 0;
+            s.logp[i] = v[j];
+        }
     }
     for (int w = lane; w < words; w += 32) s.vis[w] = w == 0 ? 1u : 0u;
     for (int i = lane; i < n_rows; i += 32) s.first_child[i] = s.next_sibling[i] = -1;
-    if (lane == 0) s.node_logw[0] = 0.0f;
     __syncwarp();
 
+    // The loop is pipelined by hand: the head of the next step is found from uniform values (the
+    // runner-up `second`, element 1 of the array, and the two new candidates) and its log-probs are
+    // loaded before this step's array update, so the update and those loads overlap instead of forming
+    // one chain per step.
+    const Candidate root_child{__fadd_rn(0.0f, s.logp[0]), 0.0f, pack_info(0, 1, 0)};
     SortedFrontier<SPL> f;
-    f.init(order_key(__fadd_rn(0.0f, s.logp[0])), pack_info(0, 1, 0));
+    f.init(root_child);
+    Candidate top = root_child, second{__int_as_float(0x7FC00000), 0.0f, 0u};
+    Loaded top_lp = load_logp(s, top.info, k, depth_max);
     int n = 0;
-    while (n < budget) {
-        const uint32_t top_key = __shfl_sync(0xFFFFFFFFu, f.key[0], 0);
-        if (top_key == 0) break;
-        const uint32_t info = __shfl_sync(0xFFFFFFFFu, f.info[0], 0);
-        const int p = info_parent(info), d = info_depth(info), r = info_rank(info);
+    while (n < budget && !isnan(top.logw)) {
+        const int p = info_parent(top.info), d = info_depth(top.info), r = info_rank(top.info);
         const int row = ++n;
-        // The parent's bitmask word is loaded now and stored last, so its latency overlaps the step.
-        // words <= 17 for budgets up to 512: one word per lane.
+        // Used last, so their latency overlaps the step. words <= 17 for budgets up to 512: one bitmask
+        // word per lane.
         const uint32_t parent_vis = lane < words ? s.vis[p * words + lane] : 0u;
-        const float logw = key_value(top_key);
+        const int prev_sibling = lane == 0 && r > 0 ? s.last_child[p] : 0;
 
         const bool sibling = r + 1 < k, child = d < depth_max;
-        const float sibling_logw = sibling ? __fadd_rn(s.node_logw[p], s.logp[(d - 1) * k + r + 1]) : 0.0f;
-        const float child_logw = child ? __fadd_rn(logw, s.logp[d * k]) : 0.0f;
-        f.pop_and_push(sibling ? order_key(sibling_logw) : 0u, pack_info(p, d, r + 1),
-                       child ? order_key(child_logw) : 0u, pack_info(row, d + 1, 0));
+        const Candidate next{__fadd_rn(top.base, top_lp.sibling), top.base, pack_info(p, d, r + 1)};
+        const Candidate first{__fadd_rn(top.logw, top_lp.child), top.logw, pack_info(row, d + 1, 0)};
+        // The next head: the first of (second, next, first) in the array's order (a kept element before
+        // an equal new one, the sibling before an equal child).
+        const bool next_leads = sibling && !(second.logw >= next.logw) && !(child && first.logw > next.logw);
+        const bool first_leads = child && !(second.logw >= first.logw) && !(sibling && next.logw >= first.logw);
+        const Candidate coming = next_leads ? next : first_leads ? first : second;
+        const Loaded coming_lp = load_logp(s, coming.info, k, depth_max);
+
+        f.pop_and_push(sibling, next, child, first);
+        second = f.element(1);
 
         if (lane == 0) {
-            s.node_info[row] = info;
-            s.node_logw[row] = logw;
+            s.node_info[row] = top.info;
             // Children are appended in rank order, so the latest child of p is this row's previous sibling.
-            if (r == 0) s.first_child[p] = row;
-            else s.next_sibling[s.last_child[p]] = row;
+            *(r == 0 ? &s.first_child[p] : &s.next_sibling[prev_sibling]) = row;
             s.last_child[p] = row;
         }
         if (lane < words) s.vis[row * words + lane] = parent_vis | (lane == row / 32 ? 1u << (row % 32) : 0u);
+        top = coming;
+        top_lp = coming_lp;
     }
     __syncwarp();
 

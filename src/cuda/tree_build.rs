@@ -101,10 +101,10 @@ impl DeviceTree {
     }
 }
 
-/// Shared memory the kernel needs: the request's `[L, K]` log-probs, three per-row arrays, one per-slot
-/// array (2N) and the bitmask, all 4-byte words (the frontier lives in registers).
+/// Shared memory the kernel needs: the request's `[L, K]` log-probs, four per-row arrays and the
+/// bitmask, all 4-byte words (the frontier lives in registers).
 pub fn shared_bytes(shape: TreeShape, k: usize) -> usize {
-    4 * (shape.depth * k + 5 * shape.rows() + shape.rows() * shape.words())
+    4 * (shape.depth * k + 4 * shape.rows() + shape.rows() * shape.words())
 }
 
 /// Queues the tree build of every request from device `top_ids` / `top_logp [bs, L, K]`.
