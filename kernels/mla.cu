@@ -17,11 +17,12 @@
 //           own key list (the prefix tail, then its visible tree rows in increasing row order).
 //   mla_combine does the rest of the fold per row: a group's state starts from the folded slot where
 //   mla_chunk folded its leading chunks (every chunk of a folded decode, the full prefix chunks of a
-//   folded tree prefix), else from the initial state, and continues over the per-chunk slots. It
-//   splits a row's output dims over several CTAs and stages the partials in shared memory with one
-//   burst of loads, so that only the short (max, sum) chain over the groups runs serially.
+//   folded tree prefix), else from the initial state, and continues over the per-chunk slots. For a
+//   few rows it splits each row's output dims over several CTAs and stages the partials in shared
+//   memory with one burst of loads, so that only the short (max, sum) chain over the groups runs
+//   serially; for many rows mla_combine_rows runs the same fold as a plain loop, one CTA per row.
 // Continuing a left fold from a stored state gives the bits of doing it in one place, so whether a
-// launch folds (a host choice by launch size) never changes the bits. All modes run the same
+// launch folds, and which combine kernel runs (host choices by launch size), never changes the bits. All modes run the same
 // process_chunk, whose per-row arithmetic does not depend on the other rows of the tile (mma computes
 // each output element from its own row) nor on where the keys come from (a key sits at the same
 // position of the chunk in every mode). So a tree row gives the bits of a decode over its compacted
@@ -567,6 +568,83 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)
         ml[0] = group.m;
         ml[1] = group.l;
     }
+}
+
+// mla_combine_rows: the same fold as mla_combine (below), one CTA of ROWS_THREADS per row, each thread
+// folding four output dims group by group straight from global memory. Each group waits for its loads,
+// so a row costs its number of groups in load latencies; with many rows in flight that latency is
+// hidden and this plain loop moves the partials faster than mla_combine's staging, which pays off only
+// for few rows (the launcher picks, see src/cuda/mla.rs). Same fold_ml / fold_o operands in the same
+// order, so both give the same bits. Grid (query rows); status as in mla_combine.
+constexpr int ROWS_THREADS = LATENT / 4;
+
+extern "C" __global__ void __launch_bounds__(ROWS_THREADS)
+    mla_combine_rows(const int* __restrict__ seq_len, const uint32_t* __restrict__ visibility, int n_rows,
+                     int words, int heads, int max_chunks, int max_seq_len, int folded,
+                     const float* __restrict__ part_o, const float* __restrict__ part_ml, float* __restrict__ o,
+                     float* __restrict__ lse, int* __restrict__ status) {
+    const long long r = blockIdx.x;
+    if (r == 0 && threadIdx.x == 0) {
+        const int bits = status[1];
+        if (bits != 0) atomicOr(status, bits);
+        status[1] = 0;
+    }
+    const long long tree_row = r / heads;
+    const int request = (int)(tree_row / n_rows);
+    const int prefix = max(seq_len[request], 0);
+    int len = prefix;
+    if (visibility != nullptr) len += tree_count(visibility + tree_row * words, n_rows);
+    int chunks = (len + SPLIT - 1) / SPLIT;
+    if (len > max_seq_len || chunks > max_chunks) {
+        if (threadIdx.x == 0) atomicOr(status, STATUS_TOO_LONG);
+        chunks = 0;
+    }
+    const int pre = folded == 0 ? 0 : (visibility != nullptr ? min(prefix / SPLIT, chunks) : chunks);
+    float m = -INFINITY, l = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int g0 = 0; g0 < chunks; g0 += FOLD) {
+        const int g1 = min(g0 + FOLD, chunks);
+        float gm = -INFINITY, gl = 0.f;
+        float4 gacc = make_float4(0.f, 0.f, 0.f, 0.f);
+        int c = g0;
+        if (g0 < pre) {
+            const long long idx = r * max_chunks + g0;
+            gm = part_ml[2 * idx];
+            gl = part_ml[2 * idx + 1];
+            gacc = reinterpret_cast<const float4*>(part_o + idx * LATENT)[threadIdx.x];
+            c = min(g1, pre);
+        }
+        // The group's partials are loaded before folding, so their loads are in flight together.
+        float4 oc[FOLD];
+        float2 ml[FOLD];
+#pragma unroll
+        for (int k = 0; k < FOLD; ++k) {
+            if (c + k >= g1) break;
+            const long long idx = r * max_chunks + c + k;
+            oc[k] = reinterpret_cast<const float4*>(part_o + idx * LATENT)[threadIdx.x];
+            ml[k] = reinterpret_cast<const float2*>(part_ml)[idx];
+        }
+#pragma unroll
+        for (int k = 0; k < FOLD; ++k) {
+            if (c + k >= g1) break;
+            float a, b;
+            fold_ml(gm, gl, ml[k].x, ml[k].y, a, b);
+            gacc.x = fold_o(gacc.x, a, oc[k].x, b);
+            gacc.y = fold_o(gacc.y, a, oc[k].y, b);
+            gacc.z = fold_o(gacc.z, a, oc[k].z, b);
+            gacc.w = fold_o(gacc.w, a, oc[k].w, b);
+        }
+        float a, b;
+        fold_ml(m, l, gm, gl, a, b);
+        acc.x = fold_o(acc.x, a, gacc.x, b);
+        acc.y = fold_o(acc.y, a, gacc.y, b);
+        acc.z = fold_o(acc.z, a, gacc.z, b);
+        acc.w = fold_o(acc.w, a, gacc.w, b);
+    }
+    float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (chunks > 0) out = make_float4(__fdiv_rn(acc.x, l), __fdiv_rn(acc.y, l), __fdiv_rn(acc.z, l), __fdiv_rn(acc.w, l));
+    reinterpret_cast<float4*>(o + r * LATENT)[threadIdx.x] = out;
+    if (threadIdx.x == 0) lse[r] = chunks > 0 ? __fmul_rn(__fadd_rn(m, log2f(l)), LN2) : -INFINITY;
 }
 
 // mla_combine: the rest of each row's fixed two-level fold (see the top of the file), then the

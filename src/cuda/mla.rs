@@ -26,6 +26,14 @@ const CHUNK_THREADS: u32 = 256;
 const TILE_ROWS: usize = 16;
 /// Threads of `mla_combine` (kernels/mla.cu COMBINE_THREADS).
 const COMBINE_THREADS: u32 = 128;
+/// Threads of `mla_combine_rows` (kernels/mla.cu ROWS_THREADS): four output dims each.
+const ROWS_COMBINE_THREADS: u32 = 128;
+/// Runs of fewer query rows combine with `mla_combine`, larger ones with `mla_combine_rows`. Measured
+/// on the H200 (session 9, same chunk kernel): the sliced kernel is faster up to 128 rows (H 8 bs 1
+/// prefix 65536: 32.5 µs against 58.8 µs), the two are within 1% at 256 and the plain one is faster from
+/// 512 (H 64 bs 64 prefix 65536: 5.72 ms against 6.03 ms; tree verify bs 8, 4160 rows: 398.5 µs against
+/// 467.8 µs).
+const SLICED_COMBINE_MAX_ROWS: usize = 256;
 /// `mla_combine` splits each row's 512 output dims over this many CTAs at least (kernels/mla.cu: a power
 /// of two in 4..=32, so that a CTA holds 16 to 128 dims, one per thread) ...
 const MIN_COMBINE_SLICES: usize = 4;
@@ -302,28 +310,39 @@ impl MlaPlan {
         gpu.after_launch("mla_chunk")
     }
 
-    /// The `mla_combine` launch: [`combine_slices`] CTAs per query row; `folded`: the chunk launch before
-    /// it folded its fold groups. Ends the run (the status words are consistent again).
+    /// The combine launch: `mla_combine` ([`combine_slices`] CTAs per query row) for fewer than
+    /// [`SLICED_COMBINE_MAX_ROWS`] rows, else `mla_combine_rows` (one CTA per row); both fold in the same
+    /// order, so the choice never changes the bits. `folded`: the chunk launch before it folded its fold
+    /// groups. Ends the run (the status words are consistent again).
     fn launch_combine(&mut self, gpu: &Gpu, x: &Inputs, folded: bool, out: &mut DeviceMlaOutput) -> Result<()> {
         let rows = x.bs() * x.n_rows * self.heads;
-        let slices = combine_slices(rows);
+        let sliced = rows < SLICED_COMBINE_MAX_ROWS;
+        let (kernel, slices, threads) = if sliced {
+            (&gpu.kernels.mla_combine, combine_slices(rows), COMBINE_THREADS)
+        } else {
+            (&gpu.kernels.mla_combine_rows, 1, ROWS_COMBINE_THREADS)
+        };
         let shape = [x.n_rows as i32, x.n_rows.div_ceil(32) as i32, self.heads as i32, self.max_chunks as i32];
         let ctas = u32::try_from(rows * slices)
             .map_err(|_| Error::param("bs * N * H", rows, "too many rows for one combine launch"))?;
-        let cfg = LaunchConfig { grid_dim: (ctas, 1, 1), block_dim: (COMBINE_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid_dim: (ctas, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         let null: u64 = 0;
-        let mut b = gpu.stream().launch_builder(&gpu.kernels.mla_combine);
+        let mut b = gpu.stream().launch_builder(kernel);
         b.arg(x.seq_len);
         match x.visibility {
             Some(v) => b.arg(v),
             None => b.arg(&null),
         };
         let (max_seq_len, folded, slices) = (x.max_seq_len as i32, folded as i32, slices as i32);
-        b.arg(&shape[0]).arg(&shape[1]).arg(&shape[2]).arg(&shape[3]).arg(&max_seq_len).arg(&folded).arg(&slices);
+        b.arg(&shape[0]).arg(&shape[1]).arg(&shape[2]).arg(&shape[3]).arg(&max_seq_len).arg(&folded);
+        if sliced {
+            b.arg(&slices);
+        }
         b.arg(&self.part_o).arg(&self.part_ml).arg(&mut out.o).arg(&mut out.lse).arg(&mut self.status);
-        unsafe { b.launch(cfg) }.map_err(|e| cuda_err("mla_combine", e))?;
+        let name = if sliced { "mla_combine" } else { "mla_combine_rows" };
+        unsafe { b.launch(cfg) }.map_err(|e| cuda_err(name, e))?;
         self.status_dirty = false;
-        gpu.after_launch("mla_combine")
+        gpu.after_launch(name)
     }
 }
 

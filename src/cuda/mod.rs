@@ -108,6 +108,7 @@ struct Kernels {
     int4_dequant_bf16: CudaFunction,
     mla_chunk: CudaFunction,
     mla_combine: CudaFunction,
+    mla_combine_rows: CudaFunction,
     /// The GEMM's tile shapes, in the order of `gemm_bf16::SHAPES`.
     gemm_bf16: [CudaFunction; 3],
     gemm_reduce: CudaFunction,
@@ -136,6 +137,7 @@ impl Kernels {
             int4_dequant_bf16: f("int4_dequant_bf16")?,
             mla_chunk: f("mla_chunk")?,
             mla_combine: f("mla_combine")?,
+            mla_combine_rows: f("mla_combine_rows")?,
             gemm_bf16: [f(gemm_bf16::SHAPES[0].name)?, f(gemm_bf16::SHAPES[1].name)?, f(gemm_bf16::SHAPES[2].name)?],
             gemm_reduce: f("gemm_reduce")?,
             gemm_split_bf16: f("gemm_split_bf16")?,
