@@ -78,6 +78,18 @@ struct SortedFrontier {
         }
     }
 
+    // The first 32 * SPL / 2 elements: the registers of the lower half.
+    __device__ __forceinline__ SortedFrontier<SPL / 2> lower_half() const {
+        SortedFrontier<SPL / 2> h;
+#pragma unroll
+        for (int j = 0; j < SPL / 2; ++j) {
+            h.logw[j] = logw[j];
+            h.base[j] = base[j];
+            h.info[j] = info[j];
+        }
+        return h;
+    }
+
     // Element i < 32 (register 0 of lane i), in every lane.
     __device__ __forceinline__ Candidate element(int i) const {
         return {__shfl_sync(0xFFFFFFFFu, logw[0], i), __shfl_sync(0xFFFFFFFFu, base[0], i),
@@ -151,6 +163,69 @@ __device__ __forceinline__ Loaded load_logp(const Layout& s, uint32_t info, int 
     return {s.logp[max(d - 1, 0) * k + min(r + 1, k - 1)], s.logp[min(d, depth_max - 1) * k]};
 }
 
+// The state carried from step to step: the head (popped next), the runner-up (element 1 of the array),
+// the head's two log-probs, and the rows appended so far.
+struct Walk {
+    Candidate top;
+    Candidate second;
+    Loaded top_lp;
+    int n;
+};
+
+// One step: appends the head as row n + 1 and replaces it in the frontier by its next sibling and first
+// child. The step is pipelined by hand: the next head is found from uniform values (the runner-up and
+// the two new candidates) and its log-probs are loaded before the array update, so that the update and
+// those loads overlap instead of forming one chain.
+template <int SPL>
+__device__ __forceinline__ void step(SortedFrontier<SPL>& f, Walk& w, const Layout& s, int k, int depth_max, int words) {
+    const int lane = threadIdx.x;
+    const Candidate top = w.top;
+    const int p = info_parent(top.info), d = info_depth(top.info), r = info_rank(top.info);
+    const int row = ++w.n;
+    // Used last, so their latency overlaps the step. words <= 17 for budgets up to 512: one bitmask word
+    // per lane.
+    const uint32_t parent_vis = lane < words ? s.vis[p * words + lane] : 0u;
+    const int prev_sibling = lane == 0 && r > 0 ? s.last_child[p] : 0;
+
+    const bool sibling = r + 1 < k, child = d < depth_max;
+    const Candidate next{__fadd_rn(top.base, w.top_lp.sibling), top.base, pack_info(p, d, r + 1)};
+    const Candidate first{__fadd_rn(top.logw, w.top_lp.child), top.logw, pack_info(row, d + 1, 0)};
+    // The next head: the first of (second, next, first) in the array's order (a kept element before an
+    // equal new one, the sibling before an equal child).
+    const Candidate second = w.second;
+    const bool next_leads = sibling && !(second.logw >= next.logw) && !(child && first.logw > next.logw);
+    const bool first_leads = child && !(second.logw >= first.logw) && !(sibling && next.logw >= first.logw);
+    w.top = next_leads ? next : first_leads ? first : second;
+    w.top_lp = load_logp(s, w.top.info, k, depth_max);
+
+    f.pop_and_push(sibling, next, child, first);
+    w.second = f.element(1);
+
+    if (lane == 0) {
+        s.node_info[row] = top.info;
+        // Children are appended in rank order, so the latest child of p is this row's previous sibling.
+        *(r == 0 ? &s.first_child[p] : &s.next_sibling[prev_sibling]) = row;
+        s.last_child[p] = row;
+    }
+    if (lane < words) s.vis[row * words + lane] = parent_vis | (lane == row / 32 ? 1u << (row % 32) : 0u);
+}
+
+// Pops until the budget is spent or the frontier is empty. The array only has to hold as many elements
+// as pops remain, so once those fit in half of it the walk goes on with the lower half, whose steps are
+// cheaper (fewer registers to count and shuffle).
+template <int SPL>
+__device__ void pop_all(SortedFrontier<SPL>& f, Walk& w, const Layout& s, int k, int depth_max, int budget,
+                        int words) {
+    const int end = budget - 16 * SPL;  // from here on, at most 32 * SPL / 2 pops remain
+    while (w.n < end && !isnan(w.top.logw)) step(f, w, s, k, depth_max, words);
+    if constexpr (SPL > 1) {
+        SortedFrontier<SPL / 2> half = f.lower_half();
+        pop_all(half, w, s, k, depth_max, budget, words);
+    } else {
+        while (w.n < budget && !isnan(w.top.logw)) step(f, w, s, k, depth_max, words);
+    }
+}
+
 template <int SPL>
 __device__ void build_one(const int* __restrict__ top_ids, const float* __restrict__ top_logp, int root_token,
                           int seq_len, int depth_max, int k, int budget, int* num_nodes, int* node_token,
@@ -183,47 +258,12 @@ __device__ void build_one(const int* __restrict__ top_ids, const float* __restri
     for (int i = lane; i < n_rows; i += 32) s.first_child[i] = s.next_sibling[i] = -1;
     __syncwarp();
 
-    // The loop is pipelined by hand: the head of the next step is found from uniform values (the
-    // runner-up `second`, element 1 of the array, and the two new candidates) and its log-probs are
-    // loaded before this step's array update, so the update and those loads overlap instead of forming
-    // one chain per step.
     const Candidate root_child{__fadd_rn(0.0f, s.logp[0]), 0.0f, pack_info(0, 1, 0)};
     SortedFrontier<SPL> f;
     f.init(root_child);
-    Candidate top = root_child, second{__int_as_float(0x7FC00000), 0.0f, 0u};
-    Loaded top_lp = load_logp(s, top.info, k, depth_max);
-    int n = 0;
-    while (n < budget && !isnan(top.logw)) {
-        const int p = info_parent(top.info), d = info_depth(top.info), r = info_rank(top.info);
-        const int row = ++n;
-        // Used last, so their latency overlaps the step. words <= 17 for budgets up to 512: one bitmask
-        // word per lane.
-        const uint32_t parent_vis = lane < words ? s.vis[p * words + lane] : 0u;
-        const int prev_sibling = lane == 0 && r > 0 ? s.last_child[p] : 0;
-
-        const bool sibling = r + 1 < k, child = d < depth_max;
-        const Candidate next{__fadd_rn(top.base, top_lp.sibling), top.base, pack_info(p, d, r + 1)};
-        const Candidate first{__fadd_rn(top.logw, top_lp.child), top.logw, pack_info(row, d + 1, 0)};
-        // The next head: the first of (second, next, first) in the array's order (a kept element before
-        // an equal new one, the sibling before an equal child).
-        const bool next_leads = sibling && !(second.logw >= next.logw) && !(child && first.logw > next.logw);
-        const bool first_leads = child && !(second.logw >= first.logw) && !(sibling && next.logw >= first.logw);
-        const Candidate coming = next_leads ? next : first_leads ? first : second;
-        const Loaded coming_lp = load_logp(s, coming.info, k, depth_max);
-
-        f.pop_and_push(sibling, next, child, first);
-        second = f.element(1);
-
-        if (lane == 0) {
-            s.node_info[row] = top.info;
-            // Children are appended in rank order, so the latest child of p is this row's previous sibling.
-            *(r == 0 ? &s.first_child[p] : &s.next_sibling[prev_sibling]) = row;
-            s.last_child[p] = row;
-        }
-        if (lane < words) s.vis[row * words + lane] = parent_vis | (lane == row / 32 ? 1u << (row % 32) : 0u);
-        top = coming;
-        top_lp = coming_lp;
-    }
+    Walk w{root_child, {__int_as_float(0x7FC00000), 0.0f, 0u}, load_logp(s, root_child.info, k, depth_max), 0};
+    pop_all(f, w, s, k, depth_max, budget, words);
+    const int n = w.n;
     __syncwarp();
 
 #pragma unroll 4
