@@ -226,7 +226,9 @@ __device__ void pop_all(SortedFrontier<SPL>& f, Walk& w, const Layout& s, int k,
     }
 }
 
-template <int SPL>
+// Registers per lane of the frontier's array at the start: room for the largest budget (512).
+constexpr int MAX_SPL = 16;
+
 __device__ void build_one(const int* __restrict__ top_ids, const float* __restrict__ top_logp, int root_token,
                           int seq_len, int depth_max, int k, int budget, int* num_nodes, int* node_token,
                           int* node_depth, int* parent_out, int* first_child_out, int* next_sibling_out,
@@ -259,7 +261,9 @@ __device__ void build_one(const int* __restrict__ top_ids, const float* __restri
     __syncwarp();
 
     const Candidate root_child{__fadd_rn(0.0f, s.logp[0]), 0.0f, pack_info(0, 1, 0)};
-    SortedFrontier<SPL> f;
+    // Every walk starts with the largest array; a smaller budget skips the phases it does not need at
+    // once (pop_all halves the array while the remaining pops fit in half), so one code path serves all.
+    SortedFrontier<MAX_SPL> f;
     f.init(root_child);
     Walk w{root_child, {__int_as_float(0x7FC00000), 0.0f, 0u}, load_logp(s, root_child.info, k, depth_max), 0};
     pop_all(f, w, s, k, depth_max, budget, words);
@@ -293,8 +297,7 @@ __device__ void build_one(const int* __restrict__ top_ids, const float* __restri
 }  // namespace tree
 }  // namespace kdt
 
-// One CTA of one warp per request; dynamic shared memory as computed by src/cuda/tree_build.rs. The
-// frontier's registers per lane are a template parameter: the budget's worth of elements over 32 lanes.
+// One CTA of one warp per request; dynamic shared memory as computed by src/cuda/tree_build.rs.
 extern "C" __global__ void __launch_bounds__(32)
     tree_build(const int* top_ids, const float* top_logp, const int* root_token, const int* seq_len, int depth_max,
                int k, int budget, int* num_nodes, int* node_token, int* node_depth, int* parent, int* first_child,
@@ -302,15 +305,7 @@ extern "C" __global__ void __launch_bounds__(32)
     const int b = blockIdx.x;
     const int n_rows = budget + 1, words = (n_rows + 31) / 32;
     const size_t lk = (size_t)depth_max * k, rows = (size_t)b * n_rows;
-    const int per_lane = (budget + 31) / 32;
-#define KDT_BUILD(SPL)                                                                                              \
-    kdt::tree::build_one<SPL>(top_ids + b * lk, top_logp + b * lk, root_token[b], seq_len[b], depth_max, k, budget, \
-                              num_nodes + b, node_token + rows, node_depth + rows, parent + rows, first_child + rows,  \
-                              next_sibling + rows, position + rows, visibility + rows * words, status + b)
-    if (per_lane <= 1) KDT_BUILD(1);
-    else if (per_lane <= 2) KDT_BUILD(2);
-    else if (per_lane <= 4) KDT_BUILD(4);
-    else if (per_lane <= 8) KDT_BUILD(8);
-    else KDT_BUILD(16);
-#undef KDT_BUILD
+    kdt::tree::build_one(top_ids + b * lk, top_logp + b * lk, root_token[b], seq_len[b], depth_max, k, budget,
+                         num_nodes + b, node_token + rows, node_depth + rows, parent + rows, first_child + rows,
+                         next_sibling + rows, position + rows, visibility + rows * words, status + b);
 }
