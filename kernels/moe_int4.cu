@@ -22,7 +22,7 @@ constexpr int THREADS = WARPS * 32;
 constexpr int MAX_EXPERTS = 1024;
 constexpr int ALIGN_THREADS = 512;
 constexpr int ALIGN_ITEMS = MAX_EXPERTS / ALIGN_THREADS;
-constexpr int ROUTE_THREADS = 256;  // one routing CTA per token
+constexpr int ROUTE_THREADS = MAX_EXPERTS;  // one routing CTA per token, one thread per expert
 constexpr int MAX_TOP_K = 32;       // mirrored in src/cuda/moe_int4.rs
 
 // Status bits (mirrored in src/cuda/moe_int4.rs).
@@ -35,55 +35,64 @@ constexpr int STATUS_BAD_EXPERT = 2;
 
 // Routing of one token per CTA. Each expert's slot is its rank: the number of experts that beat it
 // (larger score + bias, then the smaller id), which gives the slots of k sequential arg-max rounds in one
-// parallel pass. A thread stops counting once its expert is out of the top k, so only the warps holding a
-// chosen expert scan all E keys.
+// parallel pass. Keys are compared RANK_UNROLL at a time so that their shared-memory loads overlap, and a
+// warp stops once each of its experts is known to be out of the top k.
+constexpr int RANK_UNROLL = 8;
+
 __device__ __forceinline__ bool beats(double key_a, int a, double key_b, int b) {
     return key_a > key_b || (key_a == key_b && a < b);
 }
 
-// Grid: one CTA per token.
+// Slot of expert e (key `mine`) among E keys, or any value >= k when it is not chosen.
+__device__ __forceinline__ int expert_rank(const double* key, int E, int k, int e, double mine, bool active) {
+    int rank = 0;
+    for (int j0 = 0; j0 < E; j0 += RANK_UNROLL) {
+        double kj[RANK_UNROLL];
+#pragma unroll
+        for (int u = 0; u < RANK_UNROLL; ++u) kj[u] = j0 + u < E ? key[j0 + u] : -INFINITY;
+#pragma unroll
+        for (int u = 0; u < RANK_UNROLL; ++u) rank += j0 + u < E && beats(kj[u], j0 + u, mine, e) ? 1 : 0;
+        if (__all_sync(0xffffffffu, !active || rank >= k)) break;
+    }
+    return rank;
+}
+
+// Grid: one CTA per token; E <= MAX_EXPERTS = ROUTE_THREADS, one expert per thread.
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     moe_route(const float* __restrict__ logits, const float* __restrict__ bias, double scaling, int E, int k,
               int* __restrict__ topk_ids, float* __restrict__ topk_weights, int* __restrict__ status) {
     __shared__ double key[MAX_EXPERTS];
-    __shared__ double score[MAX_EXPERTS];
     __shared__ double chosen[MAX_TOP_K];
-    const int t = blockIdx.x, tid = threadIdx.x;
+    const int t = blockIdx.x, e = threadIdx.x;
+    const bool active = e < E;
     const float* row = logits + (size_t)t * E;
     int* ids = topk_ids + (size_t)t * k;
     float* weights = topk_weights + (size_t)t * k;
-    bool finite = true;
-    for (int e = tid; e < E; e += ROUTE_THREADS) finite &= isfinite(row[e]) && isfinite(bias[e]);
-    if (!__syncthreads_and(finite)) {
+    const float logit = active ? row[e] : 0.0f, b = active ? bias[e] : 0.0f;
+    if (!__syncthreads_and(isfinite(logit) && isfinite(b))) {
         // Keep the outputs valid expert ids, so later kernels stay in range; the host reports the error.
-        if (tid < k) {
-            ids[tid] = tid;
-            weights[tid] = 0.0f;
+        if (e < k) {
+            ids[e] = e;
+            weights[e] = 0.0f;
         }
-        if (tid == 0) atomicOr(status, STATUS_BAD_LOGIT);
+        if (e == 0) atomicOr(status, STATUS_BAD_LOGIT);
         return;
     }
-    for (int e = tid; e < E; e += ROUTE_THREADS) {
-        const double s = 1.0 / (1.0 + exp(-(double)row[e]));
-        score[e] = s;
-        key[e] = s + (double)bias[e];
-    }
+    const double score = 1.0 / (1.0 + exp(-(double)logit));
+    const double mine = score + (double)b;
+    if (active) key[e] = mine;
     __syncthreads();
-    for (int e = tid; e < E; e += ROUTE_THREADS) {
-        const double mine = key[e];
-        int rank = 0;
-        for (int j = 0; j < E && rank < k; ++j) rank += beats(key[j], j, mine, e) ? 1 : 0;
-        if (rank < k) {
-            ids[rank] = e;
-            chosen[rank] = score[e];
-        }
+    const int rank = expert_rank(key, E, k, e, mine, active);
+    if (active && rank < k) {
+        ids[rank] = e;
+        chosen[rank] = score;
     }
     __syncthreads();
     // Renormalized in slot order, as the reference sums them.
-    if (tid < k) {
+    if (e < k) {
         double sum = 0.0;
         for (int slot = 0; slot < k; ++slot) sum += chosen[slot];
-        weights[tid] = (float)(chosen[tid] / sum * scaling);
+        weights[e] = (float)(chosen[e] / sum * scaling);
     }
 }
 

@@ -34,8 +34,8 @@ const STAGE_TILE_BYTES: usize = match LAYOUT {
 };
 const WARPS: usize = 8;
 const ALIGN_THREADS: u32 = 512;
-/// Threads of a routing CTA (one token each).
-const ROUTE_THREADS: u32 = 256;
+/// Threads of a routing CTA (one token each): one per expert, up to kernels/moe_int4.cu MAX_EXPERTS.
+const ROUTE_THREADS: u32 = MAX_EXPERTS as u32;
 /// Tokens per expert served by the narrow GEMM kernels (one n8 MMA tile); more go to the wide ones.
 const NARROW_TOKENS: usize = 8;
 
