@@ -570,6 +570,37 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)
     }
 }
 
+// The combine kernels' shared prologue. CTA 0 moves the chunk launches' status bits (status[1]) into
+// the run's word (see mla_chunk).
+__device__ __forceinline__ void collect_chunk_status(int* status) {
+    const int bits = status[1];
+    if (bits != 0) atomicOr(status, bits);
+    status[1] = 0;
+}
+
+// Row r's chunk count and how many of its leading chunks mla_chunk folded (`pre`). A row longer than
+// max_seq_len (or than the plan's chunks) gets no chunks, and the thread with `flag` reports it.
+struct RowChunks {
+    int chunks, pre;
+};
+
+__device__ __forceinline__ RowChunks row_chunks(long long r, const int* seq_len, const uint32_t* visibility,
+                                                int n_rows, int words, int heads, int max_chunks, int max_seq_len,
+                                                int folded, bool flag, int* status) {
+    const long long tree_row = r / heads;
+    const int request = (int)(tree_row / n_rows);
+    const int prefix = max(seq_len[request], 0);
+    int len = prefix;
+    if (visibility != nullptr) len += tree_count(visibility + tree_row * words, n_rows);
+    int chunks = (len + SPLIT - 1) / SPLIT;
+    if (len > max_seq_len || chunks > max_chunks) {
+        if (flag) atomicOr(status, STATUS_TOO_LONG);
+        chunks = 0;
+    }
+    const int pre = folded == 0 ? 0 : (visibility != nullptr ? min(prefix / SPLIT, chunks) : chunks);
+    return {chunks, pre};
+}
+
 // mla_combine_rows: the same fold as mla_combine (below), one CTA of ROWS_THREADS per row, each thread
 // folding four output dims group by group straight from global memory. Each group waits for its loads,
 // so a row costs its number of groups in load latencies; with many rows in flight that latency is
@@ -584,22 +615,10 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS)
                      const float* __restrict__ part_o, const float* __restrict__ part_ml, float* __restrict__ o,
                      float* __restrict__ lse, int* __restrict__ status) {
     const long long r = blockIdx.x;
-    if (r == 0 && threadIdx.x == 0) {
-        const int bits = status[1];
-        if (bits != 0) atomicOr(status, bits);
-        status[1] = 0;
-    }
-    const long long tree_row = r / heads;
-    const int request = (int)(tree_row / n_rows);
-    const int prefix = max(seq_len[request], 0);
-    int len = prefix;
-    if (visibility != nullptr) len += tree_count(visibility + tree_row * words, n_rows);
-    int chunks = (len + SPLIT - 1) / SPLIT;
-    if (len > max_seq_len || chunks > max_chunks) {
-        if (threadIdx.x == 0) atomicOr(status, STATUS_TOO_LONG);
-        chunks = 0;
-    }
-    const int pre = folded == 0 ? 0 : (visibility != nullptr ? min(prefix / SPLIT, chunks) : chunks);
+    if (r == 0 && threadIdx.x == 0) collect_chunk_status(status);
+    const RowChunks rc = row_chunks(r, seq_len, visibility, n_rows, words, heads, max_chunks, max_seq_len, folded,
+                                    threadIdx.x == 0, status);
+    const int chunks = rc.chunks, pre = rc.pre;
     float m = -INFINITY, l = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int g0 = 0; g0 < chunks; g0 += FOLD) {
@@ -681,22 +700,10 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
     const int dims = LATENT >> slice_shift;
     const long long r = blockIdx.x >> slice_shift;
     const int slice = blockIdx.x & (slices - 1);
-    if (blockIdx.x == 0 && tid == 0) {
-        const int bits = status[1];
-        if (bits != 0) atomicOr(status, bits);
-        status[1] = 0;
-    }
-    const long long tree_row = r / heads;
-    const int request = (int)(tree_row / n_rows);
-    const int prefix = max(seq_len[request], 0);
-    int len = prefix;
-    if (visibility != nullptr) len += tree_count(visibility + tree_row * words, n_rows);
-    int chunks = (len + SPLIT - 1) / SPLIT;
-    if (len > max_seq_len || chunks > max_chunks) {
-        if (slice == 0 && tid == 0) atomicOr(status, STATUS_TOO_LONG);
-        chunks = 0;
-    }
-    const int pre = folded == 0 ? 0 : (visibility != nullptr ? min(prefix / SPLIT, chunks) : chunks);
+    if (blockIdx.x == 0 && tid == 0) collect_chunk_status(status);
+    const RowChunks rc = row_chunks(r, seq_len, visibility, n_rows, words, heads, max_chunks, max_seq_len, folded,
+                                    slice == 0 && tid == 0, status);
+    const int chunks = rc.chunks, pre = rc.pre;
     const FoldList f{chunks, pre, (pre + FOLD - 1) / FOLD};
     const int groups = (chunks + FOLD - 1) / FOLD;
     const int cap = STAGE_FLOATS >> dims_shift;  // items per window
