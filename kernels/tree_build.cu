@@ -55,8 +55,8 @@ struct Candidate {
 // element j is register j / 32 of lane j % 32. Each step pops element 0 and inserts at most two new
 // candidates; both are pushed after every candidate already there, so each goes right after the
 // elements whose logw is >= its own, and the earlier push order of equal scores is kept by position
-// alone. The array holds the budget's worth of elements: at most `budget` more pops follow, so a
-// candidate pushed past that many better ones can never be popped and is dropped. The pops form one
+// alone. The array holds at least as many elements as pops remain (pop_all halves it as they shrink), so
+// a candidate pushed past that many better ones can never be popped and is dropped. The pops form one
 // dependent chain, and a lone warp pays each instruction's latency, so a step is kept to ballots,
 // shuffles and selects with no branch.
 template <int SPL>
