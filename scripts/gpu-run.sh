@@ -3,7 +3,7 @@
 # every GPU test, compute-sanitizer memcheck and racecheck over the fixture tests, then the benches.
 # Logs and the criterion results go under $OUT (default ./gpu-out); a short table is printed last.
 # TESTS="gpu-pack/tests/NAME ..." limits the tests step to those binaries.
-# Usage: scripts/gpu-run.sh [tests|sanitize|sanitize:NAME|profile|profile:moe|bench|bench:NAME|bench:NAME:FILTER]...
+# Usage: scripts/gpu-run.sh [tests|sanitize|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
 #        (FILTER: a criterion name filter, e.g. bench:mla:gpu_decode runs only those rows)
 #        (default: tests sanitize bench)
 set -uo pipefail
@@ -82,6 +82,19 @@ run_profile_moe() {
     done
 }
 
+# `profile:mla` profiles one timed launch (past the warm-up check launches) of the MLA kernels at the
+# decode rows that miss their target, an H 64 decode and a tree verify.
+run_profile_mla() {
+    local sections="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section LaunchStats --section SourceCounters"
+    for id in gpu_decode/h8_bs1_s65536 gpu_decode/h8_bs8_s16384 gpu_decode/h8_bs64_s1024 gpu_decode/h16_bs32_s4096 \
+        gpu_decode/h64_bs8_s4096 gpu_tree/n65_h8_bs8_s4096; do
+        ncu --clock-control none --kernel-name regex:'mla_' --launch-skip 20 --launch-count 2 $sections \
+            gpu-pack/benches/mla --bench "mla/$id\$" --warm-up-time 0.05 --measurement-time 0.05 \
+            >"$logs/ncu-mla-${id//\//-}.log" 2>&1
+        note "ncu mla $id: exit $?"
+    done
+}
+
 run_bench() {
     local name=$1 filter=${2:-}
     gpu-pack/benches/"$name" --bench $filter >>"$logs/bench-$name.log" 2>&1
@@ -101,6 +114,7 @@ for step in $steps; do
         bench:*) run_bench "${step#bench:}" ;;
         profile) run_profile; run_profile_moe ;;
         profile:moe) run_profile_moe ;;
+        profile:mla) run_profile_mla ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
 done
