@@ -2,13 +2,14 @@
 //
 // Two launches. topk_chunk: one CTA of 256 threads per (chunk of 8192 logits, row) reads its chunk once
 // and keeps it in registers (32 values a thread, loaded as 16-byte vectors). Most of the work is each
-// value's exact fixed-point exp term (about 26 instructions); the selection is kept to a few instructions
+// value's exact fixed-point exp term (about 23 instructions); the selection is kept to a few instructions
 // a value. The maxima of the chunk's 512 groups of 16 values give, by a one- or two-round histogram of
 // their order keys, a bound at or below the chunk's K-th value (K group maxima reach it); only groups whose
-// max reaches the bound look at their values, and the few values that pass (about K to 1.5K on random
-// logits) are placed in shared memory by a warp scan; an 8-bit radix select over them (one barrier a
-// round) finds the exact K best composite keys (value descending, index ascending). Chunks with more than
-// CAP values at the bound (many equal logits) select over the whole chunk instead. The chunk writes its
+// max reaches the bound look at their values (a bit mask a group), and the few values that pass (about K
+// to 1.4K on random logits) are placed in shared memory by a warp scan. Up to 256 of them are ranked by
+// counting (one thread a candidate); more go through an 8-bit radix select (one barrier a round); either
+// finds the exact K best composite keys (value descending, index ascending). Chunks with more than CAP
+// values at the bound (many equal logits) select over the whole chunk instead. The chunk writes its
 // max, exp-sum and K best keys (unordered). topk_merge: one CTA per row selects the K best of the chunks'
 // candidates with the same radix select (over all of them in registers when they are too many for
 // shared memory, else over those gathered at or above the best chunk K-th key), ranks them and combines
@@ -31,11 +32,14 @@ constexpr int MERGE_SLOTS = MERGE_ITEMS * THREADS;
 constexpr int MAX_K = 512;
 constexpr int MAX_CHUNKS = 64;  // V < 2^19 (reference/README.md)
 constexpr int CAP = 2048;  // candidates kept in shared memory; more take a slower path
+constexpr int RANK_MAX = CHUNK_THREADS;  // up to this many chunk candidates are ranked by counting, more by radix
 constexpr uint32_t NEG_INF_KEY = 0x007FFFFFu;  // order_key(-inf)
 constexpr unsigned FULL_MASK = 0xFFFFFFFFu;
 static_assert(GROUPS >= MAX_K, "K group maxima must exist for the chunk bound");
 static_assert(CAP >= MAX_K, "the slow path assumes more than K candidates");
+static_assert(RANK_MAX <= CHUNK_THREADS, "one ranked candidate a thread");
 static_assert(CHUNK_ITEMS % GROUP_ITEMS == 0 && GROUP_ITEMS % 8 == 0, "groups are whole 16-byte vectors");
+static_assert(GROUP_ITEMS % 4 == 0 && GROUP_ITEMS <= 32, "a group is whole float4 and fits a bit mask");
 
 typedef cub::BlockScan<unsigned int, THREADS> Scan;
 typedef cub::BlockReduce<u64, THREADS> ReduceU64;
@@ -170,6 +174,26 @@ __device__ unsigned int select_top(const Keys& keys, int k_wanted, u64 lo_hint, 
     return block_compact<ITEMS>(keys, lo, shift, t, false, out, s);
 }
 
+// 0xFFFFFFFF when a >= b, else 0 (also for NaN): one FSET, where a compare and a select would take two.
+__device__ __forceinline__ uint32_t ge_mask(float a, float b) {
+    uint32_t r;
+    asm("set.ge.u32.f32 %0, %1, %2;" : "=r"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+// acc - (x < y) for u64 x, y: the borrow of x - y, taken by a subtraction with borrow-in (three
+// instructions, where a 64-bit compare and a conditional add take four).
+__device__ __forceinline__ unsigned int sub_if_less(unsigned int acc, u64 x, u64 y) {
+    unsigned int r;
+    asm("{\n\t.reg .u32 t;\n\t"
+        "sub.cc.u32 t, %1, %3;\n\t"
+        "subc.cc.u32 t, %2, %4;\n\t"
+        "subc.u32 %0, %5, 0;\n\t}"
+        : "=r"(r)
+        : "r"((uint32_t)x), "r"((uint32_t)(x >> 32)), "r"((uint32_t)y), "r"((uint32_t)(y >> 32)), "r"(acc));
+    return r;
+}
+
 // max that returns NaN when either input is NaN (fmaxf would hide it), so NaN logits reach the status.
 __device__ __forceinline__ float max_nan(float a, float b) {
     float r;
@@ -227,15 +251,21 @@ struct DigitPick {
     bool found;  // false when fewer than `need` keys were counted
 };
 
-// Every warp reads the whole histogram and gets the same answer, so no barrier is needed to share it.
+// Every warp reads the whole histogram and gets the same answer, so no barrier is needed to share it. Lane
+// l holds digits 8l .. 8l + 7; the lane whose digits hold the pick finds it without branches: with s_j
+// the count of its digits j and above and `larger` that of the higher lanes, the digits j with
+// larger + s_j >= need are exactly those at or below the pick (s_j does not increase with j), so their
+// number gives the digit and the other digits' counts give `above`.
 __device__ __forceinline__ DigitPick pick_digit(const unsigned int* hist, unsigned int need) {
     const int lane = threadIdx.x & 31;
     const uint4 a = reinterpret_cast<const uint4*>(hist)[2 * lane];
     const uint4 b = reinterpret_cast<const uint4*>(hist)[2 * lane + 1];
     const unsigned int c[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    unsigned int mine = 0;
+    unsigned int s[8];
+    s[7] = c[7];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) mine += c[j];
+    for (int j = 6; j >= 0; --j) s[j] = s[j + 1] + c[j];
+    const unsigned int mine = s[0];
     unsigned int incl = mine;  // this lane's bins and every larger digit
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -247,23 +277,19 @@ __device__ __forceinline__ DigitPick pick_digit(const unsigned int* hist, unsign
     const unsigned int ballot = __ballot_sync(FULL_MASK, here);
     DigitPick p{0, 0, 0, ballot != 0};
     if (ballot == 0) return p;
-    unsigned int digit = 0, above = larger, in_digit = 0;
-    if (here) {
-        bool done = false;
+    // Only the lane `here` uses these; there larger < need, so need - larger does not wrap.
+    const unsigned int rest = need - larger;
+    unsigned int at_or_below = 0, above = larger;
 #pragma unroll
-        for (int j = 7; j >= 0; --j) {
-            if (!done && above + c[j] >= need) {
-                digit = 8 * lane + j;
-                in_digit = c[j];
-                done = true;
-            }
-            if (!done) above += c[j];
-        }
+    for (int j = 0; j < 8; ++j) {
+        const bool reach = s[j] >= rest;
+        at_or_below += reach;
+        above += reach ? 0u : c[j];
     }
     const int src = __ffs(ballot) - 1;
-    p.digit = __shfl_sync(FULL_MASK, digit, src);
+    p.digit = 8 * src + __shfl_sync(FULL_MASK, at_or_below, src) - 1;
     p.above = __shfl_sync(FULL_MASK, above, src);
-    p.in_digit = __shfl_sync(FULL_MASK, in_digit, src);
+    p.in_digit = hist[p.digit];
     return p;
 }
 
@@ -339,10 +365,11 @@ __device__ __forceinline__ void load_chunk(const T* __restrict__ row, int base, 
     constexpr int VEC = 16 / sizeof(T);
     const int tid = threadIdx.x;
     if (vec_ok && len == CHUNK) {
+        // One pointer and constant offsets, rather than a 64-bit address computed for every vector.
+        const uint4* src = reinterpret_cast<const uint4*>(row + base) + tid;
 #pragma unroll
         for (int v = 0; v < CHUNK_ITEMS / VEC; ++v) {
-            int e = (v * CHUNK_THREADS + tid) * VEC;
-            uint4 raw = __ldcs(reinterpret_cast<const uint4*>(row + base + e));
+            uint4 raw = __ldcs(src + v * CHUNK_THREADS);
             const T* x = reinterpret_cast<const T*>(&raw);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) vals[v * VEC + j] = to_f32(x[j]);
@@ -367,6 +394,7 @@ __device__ __forceinline__ int item_index(int i) {
 
 struct ChunkSmem {
     alignas(16) unsigned int bound_hist[2][256];  // the bound's two rounds
+    unsigned int bound_digit[2], bound_above;       // their picks, shared by warp 0
     alignas(16) unsigned int select_hist[3][256];
     uint32_t warp_lo[CHUNK_WARPS], warp_hi[CHUNK_WARPS];
     unsigned int warp_real[CHUNK_WARPS];
@@ -374,7 +402,9 @@ struct ChunkSmem {
     u64 warp_lo64[CHUNK_WARPS], warp_hi64[CHUNK_WARPS];
     unsigned int warp_count[2][CHUNK_WARPS];
     unsigned int count, taken;
-    u64 cand[CAP];
+    u64 kth;
+    alignas(16) u64 cand[CAP];
+    float4 stash[GROUP_ITEMS / 4][CHUNK_THREADS];  // a passing group's values, a thread's own column
 };
 
 // Composite key of element e of the chunk (0 past its end), read again from memory: the slow path runs
@@ -516,10 +546,20 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
     if (lane == 0) sm.warp_sum[warp] = local_sum;
     __syncthreads();
 
+    // Warp 0 alone picks each round's digit and shares it through shared memory: a barrier costs less
+    // than every warp repeating the pick's hundred-odd instructions. bounded and shift1 are the same in
+    // every thread, so every thread reaches the barriers.
     uint32_t bound = real >= k ? lo : 0u;
     if (bounded) {
-        const DigitPick p = pick_digit(sm.bound_hist[0], k);
-        bound = (uint32_t)(((u64)lo >> (shift1 + 8)) << (shift1 + 8)) | (p.digit << shift1);
+        if (warp == 0) {
+            const DigitPick p = pick_digit(sm.bound_hist[0], k);
+            if (lane == 0) {
+                sm.bound_digit[0] = p.digit;
+                sm.bound_above = p.above;
+            }
+        }
+        __syncthreads();
+        bound = (uint32_t)(((u64)lo >> (shift1 + 8)) << (shift1 + 8)) | (sm.bound_digit[0] << shift1);
         // A second round within the picked bin when the first one's bins are wide (more than 2^12 keys).
         if (shift1 > 12) {
             const int shift2 = shift1 - 8;
@@ -528,7 +568,12 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
                 if (group_key[g] != 0 && (group_key[g] >> shift1) == (bound >> shift1))
                     atomicAdd(&sm.bound_hist[1][(group_key[g] >> shift2) & 255], 1u);
             __syncthreads();
-            bound |= pick_digit(sm.bound_hist[1], k - p.above).digit << shift2;
+            if (warp == 0) {
+                const DigitPick p = pick_digit(sm.bound_hist[1], k - sm.bound_above);
+                if (lane == 0) sm.bound_digit[1] = p.digit;
+            }
+            __syncthreads();
+            bound |= sm.bound_digit[1] << shift2;
         }
     }
 
@@ -536,16 +581,25 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
     // -inf's key (not floats, or -inf itself), where every value passes. A group whose max is below the
     // threshold has no candidate.
     // Candidates are counted first and placed by a warp scan and one atomic per warp, so that writing one
-    // costs a few instructions rather than a warp-wide atomic sequence per item.
+    // costs a few instructions rather than a warp-wide atomic sequence per item. Bit j of pass[g] marks
+    // value j of group g, so that writing costs a loop over the candidates rather than over every value
+    // of a passing group (in a warp, some lane's group passes far more often than some value of it).
     const float threshold = bound <= NEG_INF_KEY ? -INFINITY : key_value(bound);
     const bool full = len == CHUNK;
+    uint32_t pass[GROUPS_PER_THREAD];
     unsigned int mine = 0;
 #pragma unroll
     for (int g = 0; g < GROUPS_PER_THREAD; ++g) {
-        if (!(group_max[g] >= threshold)) continue;
+        uint32_t bits = 0;
+        if (group_max[g] >= threshold) {
 #pragma unroll
-        for (int i = g * GROUP_ITEMS; i < (g + 1) * GROUP_ITEMS; ++i)
-            mine += vals[i] >= threshold && (full || item_index<T>(i) < len);
+            for (int j = 0; j < GROUP_ITEMS; ++j) {
+                const int i = g * GROUP_ITEMS + j;
+                bits |= ge_mask(vals[i], threshold) & (full || item_index<T>(i) < len ? 1u << j : 0u);
+            }
+        }
+        pass[g] = bits;
+        mine += __popc(bits);
     }
     if (__any_sync(FULL_MASK, mine != 0)) {
         unsigned int incl = mine;
@@ -557,17 +611,27 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
         unsigned int at = 0;
         if (lane == 31) at = atomicAdd(&sm.count, incl);
         at = __shfl_sync(FULL_MASK, at, 31) + incl - mine;
+        // Registers cannot be indexed by the bit found at run time, so a passing group's values go through
+        // this thread's own slots of sm.stash (no other thread reads them, so no barrier is needed).
+        const float* own = reinterpret_cast<const float*>(&sm.stash[0][tid]);
 #pragma unroll
         for (int g = 0; g < GROUPS_PER_THREAD; ++g) {
-            if (!(group_max[g] >= threshold)) continue;
+            uint32_t bits = pass[g];
+            if (bits == 0) continue;
 #pragma unroll
-            for (int i = g * GROUP_ITEMS; i < (g + 1) * GROUP_ITEMS; ++i) {
-                const int e = item_index<T>(i);
-                if (vals[i] >= threshold && (full || e < len)) {
-                    if (at < (unsigned)CAP) sm.cand[at] = composite_key(order_key(vals[i]), (uint32_t)(base + e));
-                    ++at;
-                }
+            for (int q = 0; q < GROUP_ITEMS / 4; ++q) {
+                const int i = g * GROUP_ITEMS + 4 * q;
+                sm.stash[q][tid] = make_float4(vals[i], vals[i + 1], vals[i + 2], vals[i + 3]);
             }
+            do {
+                const unsigned int j = __ffs(bits) - 1;
+                bits &= bits - 1;
+                const float v = own[(j / 4) * 4 * CHUNK_THREADS + j % 4];
+                const unsigned int i = g * GROUP_ITEMS + j;  // item_index, unsigned for cheap division
+                const unsigned int e = (i / VEC * CHUNK_THREADS + (unsigned)tid) * VEC + i % VEC;
+                if (at < (unsigned)CAP) sm.cand[at] = composite_key(order_key(v), (uint32_t)base + e);
+                ++at;
+            } while (bits != 0);
         }
     }
     __syncthreads();
@@ -582,13 +646,37 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
         // Every candidate is among the K best; with exactly K, the bound is at or below the K-th of them.
         for (unsigned int i = tid; i < k; i += CHUNK_THREADS) out[i] = i < n ? sm.cand[i] : 0ull;
         if (n == k) kth = max((u64)bound << 32, 1ull);
+    } else if (n <= (unsigned)RANK_MAX) {
+        // Few candidates: a thread ranks one by counting the larger ones (keys are distinct), which costs
+        // far fewer instructions than radix rounds over all CAP slots; the K best land at their ranks.
+        if (tid < n) {
+            const u64 x = sm.cand[tid];
+            const ulonglong2* pairs = reinterpret_cast<const ulonglong2*>(sm.cand);
+            unsigned int neg_rank = 0;  // minus the number of larger keys
+            for (unsigned int j = 0; j < n / 2; ++j) {
+                const ulonglong2 y = pairs[j];
+                neg_rank = sub_if_less(neg_rank, x, y.x);
+                neg_rank = sub_if_less(neg_rank, x, y.y);
+            }
+            if (n & 1) neg_rank = sub_if_less(neg_rank, x, sm.cand[n - 1]);
+            const unsigned int rank = 0u - neg_rank;
+            if (rank < k) out[rank] = x;
+            if (rank == k - 1) sm.kth = x;
+        }
+        __syncthreads();
+        kth = sm.kth;
     } else {
         const u64 lo64 = (u64)bound << 32, hi64 = ((u64)hi << 32) | 0xFFFFFFFFull;
-        const SmemKeys<CHUNK_THREADS, CAP / CHUNK_THREADS> keys{sm.cand, n};
         u64 same_mask, same_bits;
         index_bits((uint32_t)base, (uint32_t)(base + len - 1), same_mask, same_bits);
-        kth = block_radix_kth<CHUNK_THREADS, CAP / CHUNK_THREADS>(keys, k, lo64, hi64, same_mask, same_bits,
-                                                                  sm.select_hist);
+        // Each radix round looks at every slot a thread may hold: two of them cover the usual count at
+        // large K (about 1.4K), the full CAP / CHUNK_THREADS the rest.
+        constexpr int FEW = 2, ALL = CAP / CHUNK_THREADS;
+        kth = n <= (unsigned)(FEW * CHUNK_THREADS)
+                  ? block_radix_kth<CHUNK_THREADS, FEW>(SmemKeys<CHUNK_THREADS, FEW>{sm.cand, n}, k, lo64, hi64,
+                                                        same_mask, same_bits, sm.select_hist)
+                  : block_radix_kth<CHUNK_THREADS, ALL>(SmemKeys<CHUNK_THREADS, ALL>{sm.cand, n}, k, lo64, hi64,
+                                                        same_mask, same_bits, sm.select_hist);
         for (unsigned int i = tid; i < n; i += CHUNK_THREADS) {
             const u64 x = sm.cand[i];
             if (x >= kth) {

@@ -115,6 +115,33 @@ mod gpu {
         check_same(&cpu, &a);
     }
 
+    /// Distinct-valued logits (sums of two uniforms, as in the bench), so that a chunk's candidates are
+    /// about K of distinct values: the chunk kernel's ranking path, and its radix path at K 256.
+    fn smooth_logits(seed: u64, n: usize) -> Vec<f32> {
+        let mut next = common::xorshift(seed);
+        (0..n)
+            .map(|_| {
+                let s = next();
+                let (a, b) = ((s >> 40) as f32, ((s >> 16) & 0xFF_FFFF) as f32);
+                ((a + b) / (1u64 << 24) as f32 - 1.0) * 4.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn gpu_matches_cpu_on_smooth_kimi_logits() {
+        let Some(gpu) = gpu() else { return };
+        let (bs, l, v) = (2, 3, 163_840);
+        let x = smooth_logits(11, bs * l * v);
+        let xb: Vec<bf16> = x.iter().map(|&f| bf16::from_f32(f)).collect();
+        for k in [1, 16, 64, 200, 256, 512] {
+            let cpu = topk_logsumexp(Logits::F32(&x), bs, l, v, k).unwrap();
+            check_same(&cpu, &gpu.topk_logsumexp(Logits::F32(&x), bs, l, v, k).unwrap());
+            let cpu = topk_logsumexp(Logits::Bf16(&xb), bs, l, v, k).unwrap();
+            check_same(&cpu, &gpu.topk_logsumexp(Logits::Bf16(&xb), bs, l, v, k).unwrap());
+        }
+    }
+
     #[test]
     fn a_plan_runs_again_on_fewer_rows() {
         use kdtree_engine::cuda::topk::TopKPlan;
