@@ -129,11 +129,12 @@ typedef cub::BlockScan<int, ALIGN_THREADS> ScanInt;
 
 // Alignment of topk_ids [T, k]: one CTA. Pairs are counted per expert, scanned into offsets, and placed in
 // pair order by a single warp so that each expert's pairs stay in increasing pair order; the experts with
-// pairs are listed in increasing id.
+// pairs are listed in increasing id, and again with their pairs as `active_slices` (expert, begin, count,
+// 0), so that a GEMM block finds its expert in one load.
 extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
     moe_align(const int* __restrict__ topk_ids, int T, int E, int k, int* __restrict__ expert_offsets,
-              int* __restrict__ sorted_pairs, int* __restrict__ active_experts, int* __restrict__ num_active,
-              int* __restrict__ status) {
+              int* __restrict__ sorted_pairs, int* __restrict__ active_experts, int4* __restrict__ active_slices,
+              int* __restrict__ num_active, int* __restrict__ status) {
     __shared__ int count[MAX_EXPERTS];
     __shared__ int next[MAX_EXPERTS];
     __shared__ typename ScanInt::TempStorage scan_tmp;
@@ -178,7 +179,10 @@ extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
         if (e >= E) continue;
         expert_offsets[e] = offset[i];
         next[e] = offset[i];
-        if (used[i]) active_experts[rank[i]] = e;
+        if (used[i]) {
+            active_experts[rank[i]] = e;
+            active_slices[rank[i]] = make_int4(e, offset[i], c[i], 0);
+        }
     }
     if (tid == 0) {
         expert_offsets[E] = pairs;
@@ -459,17 +463,15 @@ struct ExpertSlice {
     int expert, begin, count;
 };
 
-// The grid has at most E blocks in x, so active_experts[blockIdx.x] is in bounds: it is loaded together
-// with num_active, which leaves two dependent loads (not three) before the block's first weight copy.
-// The loads go through L2 only (ld.global.cg): the down GEMM makes them before its griddepcontrol.wait.
-__device__ __forceinline__ bool block_expert(const int* active_experts, const int* num_active,
-                                             const int* expert_offsets, ExpertSlice& s) {
+// The grid has at most E blocks in x, so active_slices[blockIdx.x] is in bounds: it is loaded together
+// with num_active, so one load latency precedes the block's first weight copy (an entry past num_active
+// is stale and unused). The loads go through L2 only (ld.global.cg): the down GEMM makes them before its
+// griddepcontrol.wait.
+__device__ __forceinline__ bool block_expert(const int4* active_slices, const int* num_active, ExpertSlice& s) {
     const int active = __ldcg(num_active);
-    s.expert = __ldcg(active_experts + blockIdx.x);
-    if ((int)blockIdx.x >= active) return false;
-    s.begin = __ldcg(expert_offsets + s.expert);
-    s.count = __ldcg(expert_offsets + s.expert + 1) - s.begin;
-    return true;
+    const int4 slice = __ldcg(active_slices + blockIdx.x);
+    s = ExpertSlice{slice.x, slice.y, slice.z};
+    return (int)blockIdx.x < active;
 }
 
 // The fragment element idx = ((m * NT + n) * 32 + lane) * 4 + i sits at tile row lane / 4 (+ 8 for
@@ -605,26 +607,25 @@ constexpr int WIDE_STAGES = 2;
 template <class Layout, int NT, int STAGES>
 __device__ __forceinline__ void gate_up_kernel(const __nv_bfloat16* x, const uint32_t* w13,
                                                const __nv_bfloat16* w13_scale, int H, int I, int k,
-                                               const int* active, const int* num_active, const int* offsets,
-                                               const int* pairs, __nv_bfloat16* h) {
+                                               const int4* slices, const int* num_active, const int* pairs,
+                                               __nv_bfloat16* h) {
     // The routing and x may come from the kernels just before: wait for them first (there is nothing
     // to prefetch before knowing the expert).
     pdl_wait();
     pdl_launch_dependents();
     ExpertSlice ex;
-    if (!block_expert(active, num_active, offsets, ex) || (ex.count > 8) != (NT > 1)) return;
+    if (!block_expert(slices, num_active, ex) || (ex.count > 8) != (NT > 1)) return;
     gate_up<Layout, NT, GATE_UP_KSPLIT, STAGES>(x, w13, w13_scale, H, I, k, pairs, ex, h);
 }
 
 template <class Layout, int NT, int STAGES>
 __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32_t* w2,
-                                            const __nv_bfloat16* w2_scale, int H, int I, const int* active,
-                                            const int* num_active, const int* offsets, const int* pairs,
-                                            float* y) {
+                                            const __nv_bfloat16* w2_scale, int H, int I, const int4* slices,
+                                            const int* num_active, const int* pairs, float* y) {
     // The routing is complete before this kernel starts (rule T above), so the expert is known before
     // the wait, and warp_gemm issues the block's first weight stages while the gate/up GEMM finishes.
     ExpertSlice ex;
-    if (block_expert(active, num_active, offsets, ex) && (ex.count > 8) == (NT > 1))
+    if (block_expert(slices, num_active, ex) && (ex.count > 8) == (NT > 1))
         down<Layout, NT, DOWN_KSPLIT, STAGES>(h, w2, w2_scale, H, I, pairs, ex, y);
     pdl_wait();  // rule W on every path (warp_gemm has waited already where the block computed)
 }
@@ -632,17 +633,15 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
 #define KDT_MOE_GEMMS(LAYOUT, NT, STAGES, MIN_BLOCKS, SUFFIX)                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) moe_gate_up_##SUFFIX(                                \
         const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,                                 \
-        const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k, const int* __restrict__ active,      \
-        const int* __restrict__ num_active, const int* __restrict__ offsets, const int* __restrict__ pairs,    \
-        __nv_bfloat16* __restrict__ h) {                                                                       \
-        gate_up_kernel<LAYOUT, NT, STAGES>(x, w13, w13_scale, H, I, k, active, num_active, offsets, pairs, h); \
+        const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k, const int4* __restrict__ slices,     \
+        const int* __restrict__ num_active, const int* __restrict__ pairs, __nv_bfloat16* __restrict__ h) {    \
+        gate_up_kernel<LAYOUT, NT, STAGES>(x, w13, w13_scale, H, I, k, slices, num_active, pairs, h);          \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) moe_down_##SUFFIX(                                   \
         const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,                                  \
-        const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int* __restrict__ active,              \
-        const int* __restrict__ num_active, const int* __restrict__ offsets, const int* __restrict__ pairs,    \
-        float* __restrict__ y) {                                                                               \
-        down_kernel<LAYOUT, NT, STAGES>(h, w2, w2_scale, H, I, active, num_active, offsets, pairs, y);         \
+        const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int4* __restrict__ slices,             \
+        const int* __restrict__ num_active, const int* __restrict__ pairs, float* __restrict__ y) {            \
+        down_kernel<LAYOUT, NT, STAGES>(h, w2, w2_scale, H, I, slices, num_active, pairs, y);                  \
     }
 
 // Narrow kernels are held to 128 registers so two blocks (16 warps) share an SM; the wide ones keep

@@ -248,6 +248,9 @@ pub struct MoePlan {
     expert_offsets: CudaSlice<i32>,
     sorted_pairs: CudaSlice<i32>,
     active_experts: CudaSlice<i32>,
+    /// Per active expert (in `active_experts` order) its id, first sorted pair and pair count, and a
+    /// zero: the 16 bytes a GEMM block loads to find its work.
+    active_slices: CudaSlice<i32>,
     num_active: CudaSlice<i32>,
     status: CudaSlice<i32>,
     h: CudaSlice<bf16>,
@@ -284,6 +287,7 @@ impl MoePlan {
             expert_offsets: gpu.zeros(shape.count + 1)?,
             sorted_pairs: gpu.zeros(pairs)?,
             active_experts: gpu.zeros(shape.count)?,
+            active_slices: gpu.zeros(4 * shape.count)?,
             num_active: gpu.zeros(1)?,
             status: gpu.zeros(1)?,
             h: gpu.zeros(pairs * shape.inter)?,
@@ -367,7 +371,8 @@ impl MoePlan {
         let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (ALIGN_THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut a = KernelArgs::new(gpu);
         a.ptr(&self.topk_ids).val(t).val(e).val(k).ptr_mut(&mut self.expert_offsets).ptr_mut(&mut self.sorted_pairs);
-        a.ptr_mut(&mut self.active_experts).ptr_mut(&mut self.num_active).ptr_mut(&mut self.status);
+        a.ptr_mut(&mut self.active_experts).ptr_mut(&mut self.active_slices).ptr_mut(&mut self.num_active);
+        a.ptr_mut(&mut self.status);
         // Dependent launch only right behind the routing kernel (after the copies of set_routing there is
         // no kernel to overlap).
         gpu.launch_ex("moe_align", &gpu.kernels.moe_align, cfg, &mut a, logits.is_some())?;
@@ -432,8 +437,7 @@ impl MoePlan {
         };
         let mut a = KernelArgs::new(gpu);
         a.ptr(x).ptr(&experts.w13.packed).ptr(&experts.w13.scale).val(h).val(i).val(k);
-        a.ptr(&self.active_experts).ptr(&self.num_active).ptr(&self.expert_offsets).ptr(&self.sorted_pairs);
-        a.ptr_mut(&mut self.h);
+        a.ptr(&self.active_slices).ptr(&self.num_active).ptr(&self.sorted_pairs).ptr_mut(&mut self.h);
         gpu.launch_ex(name, f, cfg, &mut a, true)
     }
 
@@ -447,8 +451,7 @@ impl MoePlan {
         };
         let mut a = KernelArgs::new(gpu);
         a.ptr(&self.h).ptr(&experts.w2.packed).ptr(&experts.w2.scale).val(h).val(i);
-        a.ptr(&self.active_experts).ptr(&self.num_active).ptr(&self.expert_offsets).ptr(&self.sorted_pairs);
-        a.ptr_mut(&mut self.y);
+        a.ptr(&self.active_slices).ptr(&self.num_active).ptr(&self.sorted_pairs).ptr_mut(&mut self.y);
         gpu.launch_ex(name, f, cfg, &mut a, true)
     }
 
