@@ -30,6 +30,33 @@ constexpr int STATUS_BAD_LOGIT = 1;
 constexpr int STATUS_BAD_EXPERT = 2;
 
 // ---------------------------------------------------------------------------------------------------
+// Programmatic dependent launch (sm_90+; src/cuda/moe_int4.rs launches align, the GEMMs and the combine
+// with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION). Such a kernel may start while the kernel
+// before it in the stream still runs: `griddepcontrol.wait` (PTX ISA) returns once every prerequisite
+// grid has completed and its memory operations are performed and visible to this grid, and
+// `griddepcontrol.launch_dependents` lets the next kernel be scheduled once every CTA of this grid has
+// issued it or exited (a CTA's first issue counts; it says nothing about memory). Launched without the
+// attribute, both return at once. The kernels keep two rules, which together make any chain of them safe:
+// (W) every thread waits before it writes anything and before it exits, so a grid completes only after
+//     its predecessor has, and by induction after everything queued before it;
+// (T) a CTA triggers only after it has waited (or, in a kernel launched without the attribute, at any
+//     time: everything before it completed before it started), so when a kernel starts, the kernel two
+//     back and all before it have completed.
+// The down GEMM relies on (T): the routing it reads before its wait was written by the alignment, which
+// precedes its predecessor (a gate/up GEMM or the narrow down GEMM), so it has completed; those reads go
+// through L2 (ld.global.cg) and never see a line an earlier kernel left in L1.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Routing (sigmoid in float64, top-k of score + bias, ties to the smaller expert id, weights renormalized
 // in slot order) and alignment by expert.
 
@@ -63,6 +90,8 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
               int* __restrict__ topk_ids, float* __restrict__ topk_weights, int* __restrict__ status) {
     __shared__ double key[MAX_EXPERTS];
     __shared__ double chosen[MAX_TOP_K];
+    // Launched after a memset, without the attribute; the alignment may start at once and wait.
+    pdl_launch_dependents();
     const int t = blockIdx.x, e = threadIdx.x;
     const bool active = e < E;
     const float* row = logits + (size_t)t * E;
@@ -100,17 +129,20 @@ typedef cub::BlockScan<int, ALIGN_THREADS> ScanInt;
 
 // Alignment of topk_ids [T, k]: one CTA. Pairs are counted per expert, scanned into offsets, and placed in
 // pair order by a single warp so that each expert's pairs stay in increasing pair order; the experts with
-// pairs are listed in increasing id.
+// pairs are listed in increasing id, and again with their pairs as `active_slices` (expert, begin, count,
+// 0), so that a GEMM block finds its expert in one load.
 extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
     moe_align(const int* __restrict__ topk_ids, int T, int E, int k, int* __restrict__ expert_offsets,
-              int* __restrict__ sorted_pairs, int* __restrict__ active_experts, int* __restrict__ num_active,
-              int* __restrict__ status) {
+              int* __restrict__ sorted_pairs, int* __restrict__ active_experts, int4* __restrict__ active_slices,
+              int* __restrict__ num_active, int* __restrict__ status) {
     __shared__ int count[MAX_EXPERTS];
     __shared__ int next[MAX_EXPERTS];
     __shared__ typename ScanInt::TempStorage scan_tmp;
     __shared__ int bad_id;
     const int tid = threadIdx.x, pairs = T * k;
 
+    pdl_wait();  // topk_ids come from the routing kernel
+    pdl_launch_dependents();
     if (tid == 0) bad_id = 0;
     for (int e = tid; e < E; e += ALIGN_THREADS) count[e] = 0;
     __syncthreads();
@@ -147,7 +179,10 @@ extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
         if (e >= E) continue;
         expert_offsets[e] = offset[i];
         next[e] = offset[i];
-        if (used[i]) active_experts[rank[i]] = e;
+        if (used[i]) {
+            active_experts[rank[i]] = e;
+            active_slices[rank[i]] = make_int4(e, offset[i], c[i], 0);
+        }
     }
     if (tid == 0) {
         expert_offsets[E] = pairs;
@@ -323,6 +358,19 @@ __device__ __forceinline__ uint4 load_act(const uint4* x, int g, int groups) {
     return g < groups ? __ldg(x + g * (GROUP / 8)) : make_uint4(0, 0, 0, 0);
 }
 
+// Brings the lane's activations of chunk `chunk` (if it is below `c_end`) into L1, so that the register
+// load one chunk ahead finds them there: with the weights already staged (the down GEMM's first blocks
+// find them landed after the wait) an L2 latency per chunk would stall the warp. Like every activation
+// read it must follow griddepcontrol.wait, or L1 could keep a line from before the previous kernel wrote.
+__device__ __forceinline__ void prefetch_act(const uint4* x, int chunk, int c_end, int groups) {
+    if (chunk >= c_end) return;
+#pragma unroll
+    for (int j = 0; j < CHUNK_GROUPS; ++j) {
+        const int g = chunk * CHUNK_GROUPS + j;
+        if (g < groups) asm volatile("prefetch.global.L1 [%0];\n" ::"l"(x + g * (GROUP / 8)));
+    }
+}
+
 // Multiplies one staged chunk (groups g0 .. g0 + 3) of MT m16 tiles with NT n8 tiles. With one n8 tile
 // the activations come prefetched in `xp`; with more they are loaded here, one group at a time, so they
 // do not all occupy registers at once.
@@ -370,7 +418,9 @@ struct GemmArgs {
 
 // A warp's partial sums over chunks [c_begin, c_end) for NT n8 tiles of tokens; `act[n]` is the lane's
 // activation row in n-tile n, advanced to element 8c (lanes past the expert's tokens read any valid row:
-// their columns are never stored). `ring` holds STAGES * MT stages.
+// their columns are never stored). `ring` holds STAGES * MT stages. The weights do not depend on any
+// earlier kernel, so all STAGES stages are filled before griddepcontrol.wait, and the activations, which
+// may be the previous kernel's output, are read after it.
 template <class Layout, int MT, int NT, int STAGES>
 __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, const uint4* const (&act)[NT],
                           int c_begin, int c_end, typename Layout::Stage* ring) {
@@ -384,32 +434,38 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     Layout cursor[MT] = {Layout(args.packed, args.scale, args.row0[0], groups, c_begin),
                          Layout(args.packed, args.scale, args.row0[1], groups, c_begin)};
     static_assert(MT == 2, "the cursors above list two m16 tiles");
-    int fill = 0, use = 0;  // ring stages being filled and consumed
-    auto issue = [&](bool any) {
+    // Chunk c_begin + i lives in stage i % STAGES and is cp.async group i: all STAGES stages are filled
+    // up front, and each stage is refilled with the chunk STAGES ahead as soon as it has been consumed,
+    // so STAGES chunks are in flight whenever the warp waits for one.
+    auto issue = [&](int stage, bool any) {
         if (any) {
 #pragma unroll
-            for (int m = 0; m < MT; ++m) cursor[m].stage(ring + fill * MT + m);
-            fill = fill + 1 == STAGES ? 0 : fill + 1;
+            for (int m = 0; m < MT; ++m) cursor[m].stage(ring + stage * MT + m);
         }
         cp_async_commit();  // also when empty, so the group count stays one per chunk
     };
 #pragma unroll 1
-    for (int s = 0; s < STAGES - 1; ++s) issue(c_begin + s < c_end);
-    // One n8 tile: the activations of the next chunk load while this one computes (more n8 tiles load
-    // theirs inside chunk_mma).
+    for (int s = 0; s < STAGES; ++s) issue(s, c_begin + s < c_end);
+    pdl_wait();
+    pdl_launch_dependents();
+    // One n8 tile: the activations of the next chunk load into registers while this one computes, and
+    // those of the chunk after it into L1 (more n8 tiles load theirs inside chunk_mma).
+    if (NT == 1) prefetch_act(act[0], c_begin + 2, c_end, groups);
     uint4 x[CHUNK_GROUPS];
 #pragma unroll
     for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = NT == 1 ? load_act(act[0], c_begin * CHUNK_GROUPS + j, groups) : uint4{};
+    int use = 0;  // the stage of `chunk`
     for (int chunk = c_begin; chunk < c_end; ++chunk) {
-        issue(chunk + STAGES - 1 < c_end);
+        if (NT == 1) prefetch_act(act[0], chunk + 3, c_end, groups);
         uint4 x_next[CHUNK_GROUPS];
 #pragma unroll
         for (int j = 0; j < CHUNK_GROUPS; ++j)
             x_next[j] = NT == 1 ? load_act(act[0], (chunk + 1) * CHUNK_GROUPS + j, groups) : uint4{};
-        cp_async_wait<STAGES - 1>();
+        cp_async_wait<STAGES - 1>();  // STAGES + (chunk - c_begin) groups committed: this chunk's has landed
         __syncwarp();
         chunk_mma<Layout, MT, NT>(acc, ring + use * MT, x, act, chunk * CHUNK_GROUPS, groups);
         __syncwarp();  // every lane is done with the stage before it is refilled
+        issue(use, chunk + STAGES < c_end);
         use = use + 1 == STAGES ? 0 : use + 1;
 #pragma unroll
         for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = x_next[j];
@@ -422,16 +478,15 @@ struct ExpertSlice {
     int expert, begin, count;
 };
 
-// The grid has at most E blocks in x, so active_experts[blockIdx.x] is in bounds: it is loaded together
-// with num_active, which leaves two dependent loads (not three) before the block's first weight copy.
-__device__ __forceinline__ bool block_expert(const int* active_experts, const int* num_active,
-                                             const int* expert_offsets, ExpertSlice& s) {
-    const int active = *num_active;
-    s.expert = active_experts[blockIdx.x];
-    if ((int)blockIdx.x >= active) return false;
-    s.begin = expert_offsets[s.expert];
-    s.count = expert_offsets[s.expert + 1] - s.begin;
-    return true;
+// The grid has at most E blocks in x, so active_slices[blockIdx.x] is in bounds: it is loaded together
+// with num_active, so one load latency precedes the block's first weight copy (an entry past num_active
+// is stale and unused). The loads go through L2 only (ld.global.cg): the down GEMM makes them before its
+// griddepcontrol.wait.
+__device__ __forceinline__ bool block_expert(const int4* active_slices, const int* num_active, ExpertSlice& s) {
+    const int active = __ldcg(num_active);
+    const int4 slice = __ldcg(active_slices + blockIdx.x);
+    s = ExpertSlice{slice.x, slice.y, slice.z};
+    return (int)blockIdx.x < active;
 }
 
 // The fragment element idx = ((m * NT + n) * 32 + lane) * 4 + i sits at tile row lane / 4 (+ 8 for
@@ -551,7 +606,8 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
 
 // Launch geometry shared with src/cuda/moe_int4.rs: K slices per block and pipeline depths. Both GEMMs
 // split K over 4 warps and stack 2 row groups: 16 h rows (gate/up, K = H: 14 chunks per warp at Kimi-K2
-// sizes) or 32 output rows (down, K = I: 4 chunks per warp, all in flight at once). Small blocks balance
+// sizes) or 32 output rows (down, K = I: 4 chunks per warp, all issued before the block waits for the
+// gate/up GEMM). Small blocks balance
 // the SMs: at one token (8 experts) the down GEMM has 896 blocks of 74 KB, 6 or 7 per SM (the slowest SM
 // carries 3% more than the mean), where 256-row blocks gave 224 blocks of 295 KB, 1 or 2 per SM (18% over
 // the mean, 40 SMs at half occupancy; Nsight Compute: 46% of DRAM bandwidth).
@@ -566,37 +622,41 @@ constexpr int WIDE_STAGES = 2;
 template <class Layout, int NT, int STAGES>
 __device__ __forceinline__ void gate_up_kernel(const __nv_bfloat16* x, const uint32_t* w13,
                                                const __nv_bfloat16* w13_scale, int H, int I, int k,
-                                               const int* active, const int* num_active, const int* offsets,
-                                               const int* pairs, __nv_bfloat16* h) {
+                                               const int4* slices, const int* num_active, const int* pairs,
+                                               __nv_bfloat16* h) {
+    // The routing and x may come from the kernels just before: wait for them first (there is nothing
+    // to prefetch before knowing the expert).
+    pdl_wait();
+    pdl_launch_dependents();
     ExpertSlice ex;
-    if (!block_expert(active, num_active, offsets, ex) || (ex.count > 8) != (NT > 1)) return;
+    if (!block_expert(slices, num_active, ex) || (ex.count > 8) != (NT > 1)) return;
     gate_up<Layout, NT, GATE_UP_KSPLIT, STAGES>(x, w13, w13_scale, H, I, k, pairs, ex, h);
 }
 
 template <class Layout, int NT, int STAGES>
 __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32_t* w2,
-                                            const __nv_bfloat16* w2_scale, int H, int I, const int* active,
-                                            const int* num_active, const int* offsets, const int* pairs,
-                                            float* y) {
+                                            const __nv_bfloat16* w2_scale, int H, int I, const int4* slices,
+                                            const int* num_active, const int* pairs, float* y) {
+    // The routing is complete before this kernel starts (rule T above), so the expert is known before
+    // the wait, and warp_gemm issues the block's first weight stages while the gate/up GEMM finishes.
     ExpertSlice ex;
-    if (!block_expert(active, num_active, offsets, ex) || (ex.count > 8) != (NT > 1)) return;
-    down<Layout, NT, DOWN_KSPLIT, STAGES>(h, w2, w2_scale, H, I, pairs, ex, y);
+    if (block_expert(slices, num_active, ex) && (ex.count > 8) == (NT > 1))
+        down<Layout, NT, DOWN_KSPLIT, STAGES>(h, w2, w2_scale, H, I, pairs, ex, y);
+    pdl_wait();  // rule W on every path (warp_gemm has waited already where the block computed)
 }
 
 #define KDT_MOE_GEMMS(LAYOUT, NT, STAGES, MIN_BLOCKS, SUFFIX)                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) moe_gate_up_##SUFFIX(                                \
         const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,                                 \
-        const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k, const int* __restrict__ active,      \
-        const int* __restrict__ num_active, const int* __restrict__ offsets, const int* __restrict__ pairs,    \
-        __nv_bfloat16* __restrict__ h) {                                                                       \
-        gate_up_kernel<LAYOUT, NT, STAGES>(x, w13, w13_scale, H, I, k, active, num_active, offsets, pairs, h); \
+        const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k, const int4* __restrict__ slices,     \
+        const int* __restrict__ num_active, const int* __restrict__ pairs, __nv_bfloat16* __restrict__ h) {    \
+        gate_up_kernel<LAYOUT, NT, STAGES>(x, w13, w13_scale, H, I, k, slices, num_active, pairs, h);          \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) moe_down_##SUFFIX(                                   \
         const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,                                  \
-        const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int* __restrict__ active,              \
-        const int* __restrict__ num_active, const int* __restrict__ offsets, const int* __restrict__ pairs,    \
-        float* __restrict__ y) {                                                                               \
-        down_kernel<LAYOUT, NT, STAGES>(h, w2, w2_scale, H, I, active, num_active, offsets, pairs, y);         \
+        const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int4* __restrict__ slices,             \
+        const int* __restrict__ num_active, const int* __restrict__ pairs, float* __restrict__ y) {            \
+        down_kernel<LAYOUT, NT, STAGES>(h, w2, w2_scale, H, I, slices, num_active, pairs, y);                  \
     }
 
 // Narrow kernels are held to 128 registers so two blocks (16 warps) share an SM; the wide ones keep
@@ -623,6 +683,8 @@ static_assert(sizeof(StageTile) == 1152, "StageTile is the tiled layout's chunk 
 extern "C" __global__ void __launch_bounds__(256)
     moe_combine(const float* __restrict__ y, const float* __restrict__ topk_weights, int H, int k,
                 float* __restrict__ out) {
+    pdl_wait();  // y and topk_weights come from earlier kernels
+    pdl_launch_dependents();
     const int t = blockIdx.y, col = blockIdx.x * 256 + threadIdx.x;
     if (col >= H) return;
     float acc = 0.0f;

@@ -14,11 +14,12 @@ pub mod moe_int4;
 pub mod topk;
 pub mod tree_build;
 
+use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DeviceRepr, DriverError,
-    ValidAsZeroBits,
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
+    DriverError, LaunchConfig, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
@@ -177,10 +178,57 @@ impl Kernels {
 
 /// A CUDA device with the kernels loaded and one stream that every launch and copy goes to. Buffers
 /// made by a `Gpu` must only be used on its stream.
+///
+/// On compute capability 9.0 and newer, the MoE kernels after the routing are programmatic dependent
+/// launches (they overlap their predecessor's tail; see [`moe_int4`]); the environment variable
+/// `KDTREE_PDL=0`, read when the `Gpu` is opened, launches them plainly instead.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: Kernels,
+    /// Whether [`Gpu::launch_ex`] may use programmatic dependent launch (see above).
+    pdl: bool,
+}
+
+/// The arguments of a kernel for [`Gpu::launch_ex`], in the kernel's order. Each value is copied into an
+/// 8-byte slot (every argument of these kernels is a pointer or a scalar of at most 8 bytes) whose
+/// address the driver reads, as `cuLaunchKernelEx` expects.
+pub(crate) struct KernelArgs<'a> {
+    stream: &'a CudaStream,
+    slots: Vec<u64>,
+}
+
+impl<'a> KernelArgs<'a> {
+    pub(crate) fn new(gpu: &'a Gpu) -> Self {
+        KernelArgs { stream: &gpu.stream, slots: Vec::with_capacity(16) }
+    }
+
+    /// A scalar argument.
+    pub(crate) fn val<T: DeviceRepr>(&mut self, v: T) -> &mut Self {
+        const { assert!(std::mem::size_of::<T>() <= 8 && std::mem::align_of::<T>() <= 8) };
+        let mut slot = 0u64;
+        // SAFETY: T fits the slot (checked above) and is plain data the kernel reads by value.
+        unsafe {
+            std::ptr::copy_nonoverlapping(&v as *const T as *const u8, &mut slot as *mut u64 as *mut u8, size_of::<T>())
+        };
+        self.slots.push(slot);
+        self
+    }
+
+    /// A buffer the kernel reads. The `Gpu` turns cudarc's event tracking off, so the returned guard
+    /// has nothing to record and is dropped at once.
+    pub(crate) fn ptr<T, B: DevicePtr<T>>(&mut self, buf: &B) -> &mut Self {
+        let (ptr, _sync) = buf.device_ptr(self.stream);
+        self.slots.push(ptr);
+        self
+    }
+
+    /// A buffer the kernel writes (see [`KernelArgs::ptr`]).
+    pub(crate) fn ptr_mut<T, B: DevicePtrMut<T>>(&mut self, buf: &mut B) -> &mut Self {
+        let (ptr, _sync) = buf.device_ptr_mut(self.stream);
+        self.slots.push(ptr);
+        self
+    }
 }
 
 impl Gpu {
@@ -218,7 +266,49 @@ impl Gpu {
         }
         // A stream of our own (not the legacy default stream), so that launches can be captured in graphs.
         let stream = ctx.new_stream().map_err(|e| cuda_err("new_stream", e))?;
-        Ok(Gpu { ctx, stream, kernels })
+        let (major, _) = ctx.compute_capability().map_err(|e| cuda_err("compute capability", e))?;
+        let pdl = major >= 9 && std::env::var("KDTREE_PDL").map_or(true, |v| v != "0");
+        Ok(Gpu { ctx, stream, kernels, pdl })
+    }
+
+    /// Launches `f` on the stream through `cuLaunchKernelEx`. With `pdl` (where the `Gpu` allows it), as a
+    /// programmatic dependent launch: the kernel may overlap the stream's previous kernel once that one
+    /// executes `griddepcontrol.launch_dependents`, so it must execute `griddepcontrol.wait` before it
+    /// reads that kernel's output and before it writes or exits (kernels/moe_int4.cu states the rules).
+    /// The attribute only relaxes the order between two kernels: after a copy or a memset the launch waits
+    /// as usual. Under graph capture it becomes a programmatic edge between the two kernel nodes.
+    pub(crate) fn launch_ex(
+        &self,
+        name: &'static str,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &mut KernelArgs<'_>,
+        pdl: bool,
+    ) -> Result<()> {
+        let mut params: Vec<*mut c_void> = args.slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
+        // SAFETY: CUlaunchAttribute is plain C data; all zeros is a valid value (and zeroes its padding).
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(pdl && self.pdl),
+        };
+        self.ctx.bind_to_thread().map_err(|e| cuda_err(name, e))?;
+        // SAFETY: `params` holds one pointer per kernel argument, each to a live slot of `args` holding
+        // the argument's value; the caller passes them in the kernel's order and types.
+        unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| cuda_err(name, e))?;
+        self.after_launch(name)
     }
 
     /// The device's name, e.g. "NVIDIA H200".

@@ -5,12 +5,15 @@
 //! ([`LAYOUT`]): `int4-native` keeps the checkpoint's `pack-quantized` order, `int4-tiled` repacks it on
 //! the device at load time ([`crate::cpu::moe_int4::tile`] documents the order). A [`MoePlan`] owns the
 //! routing and intermediate buffers for up to `max_tokens` tokens; its `route` / `set_routing` and
-//! `experts_forward` only launch kernels.
+//! `experts_forward` only launch kernels. The kernels after the routing are programmatic dependent
+//! launches (on compute capability 9.0 and newer, see [`Gpu`]): each may start while its predecessor finishes, e.g. the down GEMM
+//! loads its first weights during the gate/up GEMM's last wave (kernels/moe_int4.cu states the rules
+//! that keep this exact).
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::{check_aligned, cuda_err, to_i32, Gpu};
+use super::{check_aligned, cuda_err, to_i32, Gpu, KernelArgs};
 use crate::cpu::moe_int4::{tiled_len, Experts, Routing, GROUP, PACK, TILE_ROWS};
 use crate::error::{check_len, Error, Result};
 
@@ -245,6 +248,9 @@ pub struct MoePlan {
     expert_offsets: CudaSlice<i32>,
     sorted_pairs: CudaSlice<i32>,
     active_experts: CudaSlice<i32>,
+    /// Per active expert (in `active_experts` order) its id, first sorted pair and pair count, and a
+    /// zero: the 16 bytes a GEMM block loads to find its work.
+    active_slices: CudaSlice<i32>,
     num_active: CudaSlice<i32>,
     status: CudaSlice<i32>,
     h: CudaSlice<bf16>,
@@ -281,6 +287,7 @@ impl MoePlan {
             expert_offsets: gpu.zeros(shape.count + 1)?,
             sorted_pairs: gpu.zeros(pairs)?,
             active_experts: gpu.zeros(shape.count)?,
+            active_slices: gpu.zeros(4 * shape.count)?,
             num_active: gpu.zeros(1)?,
             status: gpu.zeros(1)?,
             h: gpu.zeros(pairs * shape.inter)?,
@@ -362,12 +369,15 @@ impl MoePlan {
             gpu.after_launch("moe_route")?;
         }
         let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (ALIGN_THREADS, 1, 1), shared_mem_bytes: 0 };
-        let mut b = stream.launch_builder(&gpu.kernels.moe_align);
-        b.arg(&self.topk_ids).arg(&t).arg(&e).arg(&k).arg(&mut self.expert_offsets).arg(&mut self.sorted_pairs);
-        b.arg(&mut self.active_experts).arg(&mut self.num_active).arg(&mut self.status);
-        unsafe { b.launch(cfg) }.map_err(|e| cuda_err("moe_align", e))?;
+        let mut a = KernelArgs::new(gpu);
+        a.ptr(&self.topk_ids).val(t).val(e).val(k).ptr_mut(&mut self.expert_offsets).ptr_mut(&mut self.sorted_pairs);
+        a.ptr_mut(&mut self.active_experts).ptr_mut(&mut self.active_slices).ptr_mut(&mut self.num_active);
+        a.ptr_mut(&mut self.status);
+        // Dependent launch only right behind the routing kernel (after the copies of set_routing there is
+        // no kernel to overlap).
+        gpu.launch_ex("moe_align", &gpu.kernels.moe_align, cfg, &mut a, logits.is_some())?;
         self.tokens = tokens;
-        gpu.after_launch("moe_align")
+        Ok(())
     }
 
     /// Queues the routed-experts output `out [tokens, H]` (f32) of `x [tokens, H]` (bf16, 16-byte aligned:
@@ -405,10 +415,9 @@ impl MoePlan {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = gpu.stream().launch_builder(&gpu.kernels.moe_combine);
-        b.arg(&self.y).arg(&self.topk_weights).arg(&h).arg(&k).arg(out);
-        unsafe { b.launch(cfg) }.map_err(|e| cuda_err("moe_combine", e))?;
-        gpu.after_launch("moe_combine")
+        let mut a = KernelArgs::new(gpu);
+        a.ptr(&self.y).ptr(&self.topk_weights).val(h).val(k).ptr_mut(out);
+        gpu.launch_ex("moe_combine", &gpu.kernels.moe_combine, cfg, &mut a, true)
     }
 
     fn launch_gate_up(
@@ -426,12 +435,10 @@ impl MoePlan {
             block_dim: (GEMM_THREADS, 1, 1),
             shared_mem_bytes: gemm_shared_bytes(wide) as u32,
         };
-        let mut b = gpu.stream().launch_builder(f);
-        b.arg(x).arg(&experts.w13.packed).arg(&experts.w13.scale).arg(&h).arg(&i).arg(&k);
-        b.arg(&self.active_experts).arg(&self.num_active).arg(&self.expert_offsets).arg(&self.sorted_pairs);
-        b.arg(&mut self.h);
-        unsafe { b.launch(cfg) }.map_err(|e| cuda_err(name, e))?;
-        gpu.after_launch(name)
+        let mut a = KernelArgs::new(gpu);
+        a.ptr(x).ptr(&experts.w13.packed).ptr(&experts.w13.scale).val(h).val(i).val(k);
+        a.ptr(&self.active_slices).ptr(&self.num_active).ptr(&self.sorted_pairs).ptr_mut(&mut self.h);
+        gpu.launch_ex(name, f, cfg, &mut a, true)
     }
 
     fn launch_down(&mut self, gpu: &Gpu, experts: &DeviceExperts, blocks: u32, wide: bool) -> Result<()> {
@@ -442,12 +449,10 @@ impl MoePlan {
             block_dim: (GEMM_THREADS, 1, 1),
             shared_mem_bytes: gemm_shared_bytes(wide) as u32,
         };
-        let mut b = gpu.stream().launch_builder(f);
-        b.arg(&self.h).arg(&experts.w2.packed).arg(&experts.w2.scale).arg(&h).arg(&i);
-        b.arg(&self.active_experts).arg(&self.num_active).arg(&self.expert_offsets).arg(&self.sorted_pairs);
-        b.arg(&mut self.y);
-        unsafe { b.launch(cfg) }.map_err(|e| cuda_err(name, e))?;
-        gpu.after_launch(name)
+        let mut a = KernelArgs::new(gpu);
+        a.ptr(&self.h).ptr(&experts.w2.packed).ptr(&experts.w2.scale).val(h).val(i);
+        a.ptr(&self.active_slices).ptr(&self.num_active).ptr(&self.sorted_pairs).ptr_mut(&mut self.y);
+        gpu.launch_ex(name, f, cfg, &mut a, true)
     }
 
     /// Reads the status of the last routing: an error naming non-finite router logits or expert ids out
