@@ -4,7 +4,8 @@
 // Decomposition. Every (request, query row, head) walks its logical sequence of visible cache rows in
 // chunks of SPLIT rows; consecutive chunks form fold groups of FOLD. A row's result is a fixed two-level
 // fold: each group's chunk results (max, sum, unnormalized output) folded in chunk order from the
-// initial state, then the group states folded in group order (fold_ml / fold_o), then normalized.
+// initial state (fold_ml / fold_o), then the group states weighted by 2^(group max - row max) and summed
+// in group order (FMA chains), then normalized.
 //   mla_chunk computes chunks for a tile of BM query rows that share the chunk's key list, and either
 //   writes each chunk's result to its scratch slot or (`fold`) computes a whole group's chunks in
 //   order and writes only the group state, folded with the same fold_ml / fold_o, to the group's
@@ -15,14 +16,16 @@
 //           share the chunk through L2);
 //   tail:   the H heads of one tree row, the chunks holding tree rows (never folded), over that row's
 //           own key list (the prefix tail, then its visible tree rows in increasing row order).
-//   mla_combine does the rest of the fold per row: a group's state starts from the folded slot where
-//   mla_chunk folded its leading chunks (every chunk of a folded decode, the full prefix chunks of a
-//   folded tree prefix), else from the initial state, and continues over the per-chunk slots. For a
-//   few rows it splits each row's output dims over several CTAs and stages the partials in shared
-//   memory with one burst of loads, so that only the short (max, sum) chain over the groups runs
-//   serially; for many rows mla_combine_rows runs the same fold as a plain loop, one CTA per row.
-// Continuing a left fold from a stored state gives the bits of doing it in one place, so whether a
-// launch folds, and which combine kernel runs (host choices by launch size), never changes the bits. All modes run the same
+//   mla_combine does the rest per row: a group's state starts from the folded slot where mla_chunk
+//   folded its leading chunks (every chunk of a folded decode, the full prefix chunks of a folded tree
+//   prefix), else from the initial state, and continues over the per-chunk slots; the groups are then
+//   combined through the row max, taken first, so that no serial chain of (max, exp) steps over the
+//   groups remains. For a few rows it splits each row's output dims over several CTAs and stages the
+//   partials in shared memory with one burst of loads; for many rows mla_combine_rows runs the same
+//   arithmetic as a plain loop, one CTA per row.
+// Continuing a left fold from a stored state gives the bits of doing it in one place, and the row max
+// is exact in any order, so whether a launch folds, and which combine kernel runs (host choices by
+// launch size), never changes the bits. All modes run the same
 // process_chunk, whose per-row arithmetic does not depend on the other rows of the tile (mma computes
 // each output element from its own row) nor on where the keys come from (a key sits at the same
 // position of the chunk in every mode). So a tree row gives the bits of a decode over its compacted
@@ -32,15 +35,20 @@
 // plan's; a row past it is flagged (STATUS_TOO_LONG) and gets o = 0, lse = -inf.
 //
 // Inside a chunk, a CTA of 8 warps takes a tile of 16 query rows (one mma M tile; see MT for why not two)
-// and streams the chunk's keys through shared memory in sub-tiles of BK = 32 (cp.async, two stages, so
-// the next sub-tile lands while this one is used), with an online softmax in base 2 and three barriers
-// per sub-tile. S = Q.K^T uses mma.m16n8k16 bf16 with Q in registers: each warp owns one dim quarter
-// (144 dims) of the tile for two key n-tiles, and the four quarter partials are added in a fixed order
-// through shared memory. P.V rounds P to bf16 as a hi + lo pair (two mmas), because a single bf16 P
-// costs about 2e-3 relative error, the whole tolerance; each warp owns 64 output dims, so each V fragment
-// it loads feeds 4 * MT mmas. A row's arithmetic is the same in every mode and tile position: the
-// sub-tile borders sit at fixed keys of the chunk, a row's softmax always runs on 16 threads of 2 keys,
-// and every other step is per row or per (row, key) in a fixed order.
+// and streams the chunk's keys through shared memory in sub-tiles of BK = 16 keys, in a ring of STAGES =
+// 5 cp.async stages: while one sub-tile is used the next four (64 keys, 75 KB) are in flight, twice what
+// a ring of two 32-key stages keeps in about the same shared memory. A CTA with one sub-tile in flight
+// was bound by the loaded memory latency (about 3.4 us per 32 keys at bs 1, prefix 65536), not by the
+// bandwidth. An online softmax in base 2 runs with three barriers per sub-tile. S = Q.K^T uses
+// mma.m16n8k16 bf16 with Q in registers: each warp owns one dim quarter (144 dims) of the tile for one
+// key n-tile, accumulating the even and odd k-steps separately (two short dependent chains, then added),
+// and the four quarter partials are added in a fixed order through shared memory. P.V rounds P to bf16
+// as a hi + lo pair (two mmas), because a single bf16 P costs about 2e-3 relative error, the whole
+// tolerance; each warp owns 64 output dims, so each V fragment it loads feeds 4 * MT mmas. A row's
+// arithmetic is the same in every mode and tile position: the sub-tile borders sit at fixed keys of the
+// chunk, a row's softmax always runs on 16 threads of one key each (each thread keeps its share of the
+// row sum, added once per chunk by a fixed butterfly), and every other step is per row or per (row, key)
+// in a fixed order.
 #include "common.cuh"
 
 namespace kdt {
@@ -49,18 +57,16 @@ namespace mla {
 constexpr int LATENT = 512;
 constexpr int ROW = 576;             // elements of a query or cache row: [latent 512 | rope 64]
 constexpr int SPLIT = 256;           // visible rows per chunk (reference/README.md)
-constexpr int NT = 4;                // mma N tiles (8 keys each) of S per sub-tile
+constexpr int NT = 2;                // mma N tiles (8 keys each) of S per sub-tile
 constexpr int BK = 8 * NT;           // keys per shared-memory sub-tile
-constexpr int STAGES = 2;            // cp.async ring: the next sub-tile lands while this one is used
-constexpr int S_NT = 2;              // S n-tiles per warp
+constexpr int STAGES = 5;            // cp.async ring: STAGES - 1 sub-tiles in flight while one is used
 constexpr int KV_STRIDE = ROW + 8;   // 16 B of padding per row: ldmatrix rows fall in distinct banks
-constexpr int S_STRIDE = BK + 4;     // S partial rows of 144 B: aligned float2 reads, few store conflicts
-constexpr int P_STRIDE = BK + 8;     // P rows of 80 B: the 8 rows of an ldmatrix hit distinct banks
+constexpr int S_STRIDE = BK;         // S partial rows of 64 B, columns swizzled by s_col (no padding left)
+constexpr int P_STRIDE = BK + 8;     // P rows of 48 B: the 8 rows of an ldmatrix hit distinct banks
 constexpr int QUARTER = ROW / 4;     // dims per S partial sum
 constexpr int QUARTER_STEPS = QUARTER / 16;
 constexpr int PIECES = ROW * 2 / 16; // 16-byte cp.async pieces per row
-constexpr int ROW_THREADS = 16;      // softmax threads per query row
-constexpr int ROW_KEYS = BK / ROW_THREADS;  // keys per softmax thread
+constexpr int ROW_THREADS = BK;      // softmax threads per query row, one key each
 
 // mma M tiles (16 query rows each) per CTA, 8 warps per M tile. Two (512 threads, 32 rows) share
 // each staged key between twice the mmas, but at the 128 registers that 512 threads allow a CTA
@@ -73,7 +79,7 @@ constexpr int THREADS = 256 * MT;
 constexpr int WARPS = THREADS / 32;
 constexpr int WARP_DIMS = LATENT / WARPS;      // output dims per warp in P.V
 constexpr int PV_NT = WARP_DIMS / 8;           // their n-tiles
-static_assert(WARPS == 4 * MT * (NT / S_NT), "S: one warp per (dim quarter, m-tile, S_NT n-tiles)");
+static_assert(WARPS == 4 * MT * NT, "S: one warp per (dim quarter, m-tile, n-tile)");
 static_assert(PV_NT % 2 == 0, "P.V: V fragments come in pairs of n-tiles");
 static_assert(THREADS == BM * ROW_THREADS, "softmax: ROW_THREADS threads per row");
 static_assert(THREADS % BK == 0, "load_subtile: the same number of threads per key row");
@@ -92,8 +98,8 @@ constexpr float LN2 = 0.693147180559945309f;
 constexpr float LOG2E = 1.44269504088896341f;
 
 static_assert(QUARTER_STEPS == 9, "the S loop below issues four x4 and one x2 ldmatrix per quarter");
-static_assert(BK == 32, "P.V: two k-steps of 16 keys per sub-tile");
-static_assert(ROW_KEYS == 2 && ROW_THREADS == 16, "softmax: one float2 of keys per thread, 16 threads per row");
+static_assert(BK == 16, "P.V: one k-step of 16 keys per sub-tile; s_col swaps 8-key halves");
+static_assert(ROW_THREADS == 16, "softmax: a row's butterflies span 16 lanes of one warp");
 static_assert(SPLIT % BK == 0, "a chunk is whole sub-tiles, so sub-tile borders sit at the same keys in every mode");
 
 struct Smem {
@@ -107,9 +113,10 @@ struct Smem {
     long long key_off[SPLIT];                 // element offset of each key row of the chunk in the cache
 };
 
-// 99 KB is the most a block may take on sm_120; on sm_90 two blocks fit an SM.
+// 99 KB is the most a block may take on sm_120; on sm_90 two blocks (plus 1 KB reserved each) fit the
+// SM's 228 KB. Five stages is the most that fits: a sixth takes 18.7 KB more.
 static_assert(sizeof(Smem) <= 99 * 1024, "shared memory budget");
-static_assert(sizeof(Smem) == 88768, "mirrored by CHUNK_SHARED_BYTES in src/cuda/mla.rs");
+static_assert(sizeof(Smem) == 101312, "mirrored by CHUNK_SHARED_BYTES in src/cuda/mla.rs");
 
 // What one CTA computes: query rows [row0, row1) over chunk `chunk` of a sequence of `len` rows whose
 // first `prefix` are slots 0..prefix and whose rest are the tree rows set in `vis` (nullptr: none).
@@ -216,114 +223,101 @@ __device__ __forceinline__ void load_q(uint32_t (&qa)[QUARTER_STEPS][4], const _
     }
 }
 
-// S partial sum of one dim quarter over one m-tile and S_NT n-tiles (from n-tile n0), each element chained
-// over the quarter's 9 k-steps in order; stored to s_part[quarter]. The n-tiles are interleaved so that
-// their accumulation chains overlap.
+// Column of key k in row r of an S partial: the two 8-key halves swap on rows 2, 3 (mod 4), so that both
+// the mma's float2 stores (rows g .. g + 3 in one phase) and the softmax's loads (two rows of 16 keys per
+// warp) hit 32 distinct banks.
+__device__ __forceinline__ int s_col(int r, int k) { return k ^ (((r >> 1) & 1) << 3); }
+
+// S partial sum of one dim quarter over one m-tile and n-tile `nt`: the even and odd k-steps of the
+// quarter each chained in order in their own accumulator (two chains of 5 and 4 dependent mmas instead
+// of one of 9), then added; stored to s_part[quarter].
 __device__ __forceinline__ void scores(Smem& s, int stage, const uint32_t (&qa)[QUARTER_STEPS][4], int quarter,
-                                       int mtile, int n0, int lane) {
-    float acc[S_NT][4];
+                                       int mtile, int nt, int lane) {
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    const __nv_bfloat16* base = &s.kv[stage][nt * 8 + (lane & 7)][quarter * QUARTER + 8 * (lane >> 3)];
+    // Every fragment is loaded first (the asm statements keep their order), so that the loads overlap.
+    // Each x4 holds two k-steps; the last step (dims 128..143 of the quarter) is an x2 (lanes 16..31
+    // give no address).
+    constexpr int PAIRS = QUARTER_STEPS / 2;
+    uint32_t b[PAIRS][4], last[2];
 #pragma unroll
-    for (int nt = 0; nt < S_NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    const __nv_bfloat16* base = &s.kv[stage][n0 * 8 + (lane & 7)][quarter * QUARTER + 8 * (lane >> 3)];
-    // The asm statements keep their order, so the fragments of step j + 2 are loaded before the mmas of
-    // step j: their latency hides behind those mmas.
-    uint32_t b[2][S_NT][4];
+    for (int j = 0; j < PAIRS; ++j) ldmatrix_x4(b[j], base + 32 * j);
+    ldmatrix_x2(last, base - 16 * (lane >> 4) + 16 * (QUARTER_STEPS - 1));
 #pragma unroll
-    for (int nt = 0; nt < S_NT; ++nt) ldmatrix_x4(b[0][nt], base + nt * 8 * KV_STRIDE);
-#pragma unroll
-    for (int j = 0; j < QUARTER_STEPS - 1; j += 2) {
-        const int cur = (j / 2) & 1;
-        if (j + 2 < QUARTER_STEPS - 1) {
-#pragma unroll
-            for (int nt = 0; nt < S_NT; ++nt) ldmatrix_x4(b[cur ^ 1][nt], base + nt * 8 * KV_STRIDE + 16 * (j + 2));
-        } else {
-            // The last step takes dims 128..143 of the quarter: an x2 load (lanes 16..31 give no address).
-#pragma unroll
-            for (int nt = 0; nt < S_NT; ++nt) {
-                uint32_t last[2];
-                ldmatrix_x2(last, base - 16 * (lane >> 4) + nt * 8 * KV_STRIDE + 16 * (j + 2));
-                b[cur ^ 1][nt][0] = last[0];
-                b[cur ^ 1][nt][1] = last[1];
-            }
-        }
-#pragma unroll
-        for (int nt = 0; nt < S_NT; ++nt) mma_bf16(acc[nt], qa[j], b[cur][nt][0], b[cur][nt][1]);
-#pragma unroll
-        for (int nt = 0; nt < S_NT; ++nt) mma_bf16(acc[nt], qa[j + 1], b[cur][nt][2], b[cur][nt][3]);
+    for (int j = 0; j < PAIRS; ++j) {
+        mma_bf16(acc[0], qa[2 * j], b[j][0], b[j][1]);
+        mma_bf16(acc[1], qa[2 * j + 1], b[j][2], b[j][3]);
     }
-#pragma unroll
-    for (int nt = 0; nt < S_NT; ++nt) mma_bf16(acc[nt], qa[QUARTER_STEPS - 1], b[0][nt][0], b[0][nt][1]);
-    const int g = 16 * mtile + (lane >> 2), col = 2 * (lane & 3);
-#pragma unroll
-    for (int nt = 0; nt < S_NT; ++nt) {
-        float* dst = &s.s_part[quarter][g][(n0 + nt) * 8 + col];
-        *reinterpret_cast<float2*>(dst) = make_float2(acc[nt][0], acc[nt][1]);
-        *reinterpret_cast<float2*>(dst + 8 * S_STRIDE) = make_float2(acc[nt][2], acc[nt][3]);
-    }
+    mma_bf16(acc[0], qa[QUARTER_STEPS - 1], last[0], last[1]);
+    const int g = 16 * mtile + (lane >> 2), col = s_col(g, nt * 8 + 2 * (lane & 3));  // same for row g + 8
+    *reinterpret_cast<float2*>(&s.s_part[quarter][g][col]) =
+        make_float2(__fadd_rn(acc[0][0], acc[1][0]), __fadd_rn(acc[0][1], acc[1][1]));
+    *reinterpret_cast<float2*>(&s.s_part[quarter][g + 8][col]) =
+        make_float2(__fadd_rn(acc[0][2], acc[1][2]), __fadd_rn(acc[0][3], acc[1][3]));
 }
 
-// Running max / sum of one row, replicated in the ROW_THREADS threads that handle that row.
+// Running max / sum of one row in the ROW_THREADS threads that handle that row. The max is replicated;
+// during a chunk each thread keeps its own share of the sum (its key's terms, rescaled with the row),
+// and row_sum adds the shares once the chunk is done, so that no butterfly over the sum sits in the
+// softmax of every sub-tile.
 struct RowState {
     float m;  // running max of the scores, base 2
-    float l;  // running sum of 2^(score - m)
+    float l;  // running sum of 2^(score - m): this thread's share, or the row's (row_sum)
 };
 
-// Online softmax over sub-tile `sub`: thread (row, 2 consecutive keys); writes P (hi, lo) and the row's
-// alpha. The butterflies give every thread of a row the same max and sum (each step is commutative).
-__device__ __forceinline__ void softmax_step(Smem& s, int sub, int nkeys, float scale_log2, RowState& st) {
-    const int row = threadIdx.x / ROW_THREADS, k0 = (threadIdx.x % ROW_THREADS) * ROW_KEYS;
-    float2 part[4];
+// The row's sum from its threads' shares, replicated: each butterfly step is commutative, so every
+// thread of the row gets the same bits.
+__device__ __forceinline__ float row_sum(float share) {
 #pragma unroll
-    for (int qr = 0; qr < 4; ++qr) part[qr] = *reinterpret_cast<const float2*>(&s.s_part[qr][row][k0]);
-    const float acc[ROW_KEYS] = {
-        __fadd_rn(__fadd_rn(__fadd_rn(part[0].x, part[1].x), part[2].x), part[3].x),
-        __fadd_rn(__fadd_rn(__fadd_rn(part[0].y, part[1].y), part[2].y), part[3].y)};
-    const int key0 = sub * BK + k0;
-    float x[ROW_KEYS];
-#pragma unroll
-    for (int j = 0; j < ROW_KEYS; ++j) x[j] = key0 + j < nkeys ? __fmul_rn(acc[j], scale_log2) : -INFINITY;
-    float mx = fmaxf(x[0], x[1]);
-#pragma unroll
-    for (int o = ROW_THREADS / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
-    const float m_new = fmaxf(st.m, mx);
-    const float p0 = ex2(__fsub_rn(x[0], m_new)), p1 = ex2(__fsub_rn(x[1], m_new));
-    float sum = __fadd_rn(p0, p1);
-#pragma unroll
-    for (int o = ROW_THREADS / 2; o > 0; o >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xFFFFFFFFu, sum, o));
-    const float alpha = ex2(__fsub_rn(st.m, m_new));
-    st.l = __fadd_rn(__fmul_rn(st.l, alpha), sum);
-    st.m = m_new;
-    const __nv_bfloat162 hi = __floats2bfloat162_rn(p0, p1);
-    const float2 h = __bfloat1622float2(hi);
-    *reinterpret_cast<__nv_bfloat162*>(&s.p_hi[row][k0]) = hi;
-    *reinterpret_cast<__nv_bfloat162*>(&s.p_lo[row][k0]) = __floats2bfloat162_rn(__fsub_rn(p0, h.x), __fsub_rn(p1, h.y));
-    if (k0 == 0) s.alpha[row] = alpha;
+    for (int o = ROW_THREADS / 2; o > 0; o >>= 1) share = __fadd_rn(share, __shfl_xor_sync(0xFFFFFFFFu, share, o));
+    return share;
 }
 
-// O = O * alpha + P_hi.V + P_lo.V over the sub-tile's two k-steps of 16 keys (in that order for every
+// Online softmax over sub-tile `sub`: thread (row, key); writes P (hi, lo) and the row's alpha. The max
+// butterfly gives every thread of a row the same max (each step is commutative).
+__device__ __forceinline__ void softmax_step(Smem& s, int sub, int nkeys, float scale_log2, RowState& st) {
+    const int row = threadIdx.x / ROW_THREADS, k = threadIdx.x % ROW_THREADS, col = s_col(row, k);
+    const float acc = __fadd_rn(__fadd_rn(__fadd_rn(s.s_part[0][row][col], s.s_part[1][row][col]), s.s_part[2][row][col]),
+                                s.s_part[3][row][col]);
+    const float x = sub * BK + k < nkeys ? __fmul_rn(acc, scale_log2) : -INFINITY;
+    float mx = x;
+#pragma unroll
+    for (int o = ROW_THREADS / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
+    // A sub-tile holds at least one valid key, so m_new is finite and the padding keys get p = 0.
+    const float m_new = fmaxf(st.m, mx);
+    const float p = ex2(__fsub_rn(x, m_new));
+    const float alpha = ex2(__fsub_rn(st.m, m_new));
+    st.l = __fmaf_rn(st.l, alpha, p);
+    st.m = m_new;
+    const __nv_bfloat16 hi = __float2bfloat16_rn(p);
+    s.p_hi[row][k] = hi;
+    s.p_lo[row][k] = __float2bfloat16_rn(__fsub_rn(p, __bfloat162float(hi)));
+    if (k == 0) s.alpha[row] = alpha;
+}
+
+// O = O * alpha + P_hi.V + P_lo.V over the sub-tile's k-step of 16 keys (in that order for every
 // element) for every m-tile and this warp's WARP_DIMS output dims: each V fragment feeds 4 * MT mmas.
 __device__ __forceinline__ void accumulate_pv(Smem& s, int stage, float (&o)[MT][PV_NT][4], int warp, int lane) {
-    constexpr int KS = BK / 16, PAIRS = PV_NT / 2;
+    constexpr int PAIRS = PV_NT / 2;
     const int g = lane >> 2;
     // Every fragment of the sub-tile is loaded first (the asm statements keep their order), so that the
     // loads overlap each other and the rescale below instead of each waiting in front of its mmas.
-    uint32_t ph[KS][MT][4], pl[KS][MT][4], v[KS][PAIRS][4];
+    uint32_t ph[MT][4], pl[MT][4], v[PAIRS][4];
     const int vkey = (lane & 7) + 8 * ((lane >> 3) & 1);
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            ldmatrix_x4(ph[ks][mt], &s.p_hi[16 * mt + (lane & 15)][16 * ks + 8 * (lane >> 4)]);
-            ldmatrix_x4(pl[ks][mt], &s.p_lo[16 * mt + (lane & 15)][16 * ks + 8 * (lane >> 4)]);
-        }
-#pragma unroll
-        for (int pair = 0; pair < PAIRS; ++pair)
-            ldmatrix_x4_trans(v[ks][pair],
-                              &s.kv[stage][16 * ks + vkey][warp * WARP_DIMS + pair * 16 + 8 * (lane >> 4)]);
+    for (int mt = 0; mt < MT; ++mt) {
+        ldmatrix_x4(ph[mt], &s.p_hi[16 * mt + (lane & 15)][8 * (lane >> 4)]);
+        ldmatrix_x4(pl[mt], &s.p_lo[16 * mt + (lane & 15)][8 * (lane >> 4)]);
     }
+#pragma unroll
+    for (int pair = 0; pair < PAIRS; ++pair)
+        ldmatrix_x4_trans(v[pair], &s.kv[stage][vkey][warp * WARP_DIMS + pair * 16 + 8 * (lane >> 4)]);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         const float a0 = s.alpha[16 * mt + g], a1 = s.alpha[16 * mt + g + 8];
+        // Once a row's max settles its alpha is 1, and x * 1 is x: skipping the rescale when it is 1 for
+        // all 16 rows of the m-tile (a warp-uniform vote) leaves the same bits.
+        if (__all_sync(0xFFFFFFFFu, a0 == 1.f && a1 == 1.f)) continue;
 #pragma unroll
         for (int nt = 0; nt < PV_NT; ++nt) {
             o[mt][nt][0] = __fmul_rn(o[mt][nt][0], a0);
@@ -333,16 +327,13 @@ __device__ __forceinline__ void accumulate_pv(Smem& s, int stage, float (&o)[MT]
         }
     }
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
+    for (int pair = 0; pair < PAIRS; ++pair) {
 #pragma unroll
-        for (int pair = 0; pair < PAIRS; ++pair) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                mma_bf16(o[mt][2 * pair], ph[ks][mt], v[ks][pair][0], v[ks][pair][1]);
-                mma_bf16(o[mt][2 * pair + 1], ph[ks][mt], v[ks][pair][2], v[ks][pair][3]);
-                mma_bf16(o[mt][2 * pair], pl[ks][mt], v[ks][pair][0], v[ks][pair][1]);
-                mma_bf16(o[mt][2 * pair + 1], pl[ks][mt], v[ks][pair][2], v[ks][pair][3]);
-            }
+        for (int mt = 0; mt < MT; ++mt) {
+            mma_bf16(o[mt][2 * pair], ph[mt], v[pair][0], v[pair][1]);
+            mma_bf16(o[mt][2 * pair + 1], ph[mt], v[pair][2], v[pair][3]);
+            mma_bf16(o[mt][2 * pair], pl[mt], v[pair][0], v[pair][1]);
+            mma_bf16(o[mt][2 * pair + 1], pl[mt], v[pair][2], v[pair][3]);
         }
     }
 }
@@ -407,14 +398,16 @@ __device__ __forceinline__ void fold_partial(Smem& s, const Task& t, const float
 }
 
 // The one routine that computes a chunk for a tile of query rows sharing its key list: leaves the
-// unnormalized output in o and the rows' (max, sum) in row. Three barriers per sub-tile of BK keys:
-// the sub-tile has landed (and the previous one is released), the S partials are complete, P is complete.
+// unnormalized output in o and the rows' (max, sum) in row (the sum replicated). Three barriers per
+// sub-tile of BK keys: the sub-tile has landed (and the previous one's stage is released), the S
+// partials are complete, P is complete. Sub-tile `sub` lives in stage sub % STAGES; the stage refilled
+// at iteration sub is that of sub - 1, which every warp has finished reading at the first barrier.
 __device__ void process_chunk(Smem& s, const Task& t, const Pages& pg, int n_rows, const __nv_bfloat16* q,
                               const __nv_bfloat16* cache, float scale, float (&o)[MT][PV_NT][4], RowState& row,
                               int* status) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // S: warp = (quarter, m-tile, n-group); the Q fragments of its quarter and m-tile stay in registers.
-    const int quarter = warp / (WARPS / 4), mtile = warp / (NT / S_NT) % MT, n0 = warp % (NT / S_NT) * S_NT;
+    // S: warp = (quarter, m-tile, n-tile); the Q fragments of its quarter and m-tile stay in registers.
+    const int quarter = warp / (WARPS / 4), mtile = warp / NT % MT, nt = warp % NT;
     const int nkeys = min(SPLIT, t.len - t.chunk * SPLIT);
     build_key_list(s, t, pg, n_rows, nkeys, status);
     uint32_t qa[QUARTER_STEPS][4];
@@ -423,7 +416,8 @@ __device__ void process_chunk(Smem& s, const Task& t, const Pages& pg, int n_row
     __syncthreads();  // key_off is complete
 
     const int nsub = (nkeys + BK - 1) / BK;
-#pragma unroll
+    // Not unrolled: four inlined copies of load_subtile push the kernel past its 128 registers.
+#pragma unroll 1
     for (int st = 0; st < STAGES - 1; ++st) {
         if (st < nsub) load_subtile(s, cache, st, nkeys, st);
         cp_async_commit();
@@ -433,21 +427,23 @@ __device__ void process_chunk(Smem& s, const Task& t, const Pages& pg, int n_row
 #pragma unroll
         for (int nt = 0; nt < PV_NT; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.f;
     row = RowState{-INFINITY, 0.f};
-    for (int sub = 0; sub < nsub; ++sub) {
+    for (int sub = 0, stage = 0; sub < nsub; ++sub) {
+        // At most STAGES - 2 groups pending: sub-tile `sub` (group `sub`) has landed for this thread.
         cp_async_wait<STAGES - 2>();
-        // Sub-tile `sub` has landed for every thread, and every thread is done with iteration sub - 1,
-        // so its stage can be refilled and s_part / P / alpha rewritten.
+        // ... and for every thread, and every thread is done with iteration sub - 1, so its stage can be
+        // refilled and s_part / P / alpha rewritten.
         __syncthreads();
-        const int next = sub + STAGES - 1;
-        if (next < nsub) load_subtile(s, cache, next, nkeys, next % STAGES);
+        const int next = sub + STAGES - 1;  // goes to stage (sub - 1) % STAGES
+        if (next < nsub) load_subtile(s, cache, next, nkeys, stage == 0 ? STAGES - 1 : stage - 1);
         cp_async_commit();
-        const int stage = sub % STAGES;
-        scores(s, stage, qa, quarter, mtile, n0, lane);
+        scores(s, stage, qa, quarter, mtile, nt, lane);
         __syncthreads();
         softmax_step(s, sub, nkeys, scale_log2, row);
         __syncthreads();
         accumulate_pv(s, stage, o, warp, lane);
+        stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
+    row.l = row_sum(row.l);
     cp_async_wait<0>();  // only empty groups remain; leave none in flight at exit
 }
 
@@ -462,12 +458,12 @@ static_assert(FOLD <= STAGE_FLOATS / (LATENT / 4), "a window holds at least one 
 struct CombineSmem {
     float o[STAGE_FLOATS];     // [item][slice dim] partial outputs, then [group's first item] group outputs
     float2 item[MAX_ITEMS];    // items' (max, sum), then the factors (a, b) that fold each into its group
-    float2 group[MAX_ITEMS];   // groups' (max, sum), then the factors (a, b) of the cross-group fold
-    float l;                   // the row's final sum
+    float2 group[MAX_ITEMS];   // groups' (sum, weight)
+    float warp_max[COMBINE_THREADS / 32];  // row_max's per-warp maxima
 };
 static_assert(sizeof(CombineSmem) <= 48 * 1024, "static shared memory");
 
-// A row's fold list (above): `chunks` chunks, the first `pre` folded by mla_chunk.
+// A row's fold list (above mla_combine): `chunks` chunks, the first `pre` folded by mla_chunk.
 struct FoldList {
     int chunks, pre, pre_groups;
     __device__ __forceinline__ int items_before(int g) const {  // I(g)
@@ -486,6 +482,24 @@ __device__ __forceinline__ int window_end(const FoldList& f, int g0, int groups,
         else hi = mid - 1;
     }
     return lo;
+}
+
+// The row's max M over the maxima of its `items` fold items (row_ml: the row's (max, sum) slots), for a
+// block of THREADS_ threads; returns it in every thread (one barrier). Every chunk's max sits in exactly
+// one item (a folded state holds the max of its chunks), so M is the max over the row's chunks, and both
+// combine kernels call this with the same block size and item list, so they get the same bits.
+template <int THREADS_>
+__device__ __forceinline__ float row_max(const FoldList& f, int items, const float* row_ml, float* warp_max) {
+    float mx = -INFINITY;
+    for (int i = threadIdx.x; i < items; i += THREADS_) mx = fmaxf(mx, row_ml[2 * (long long)f.slot(i)]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = mx;
+    __syncthreads();
+    mx = warp_max[0];
+#pragma unroll
+    for (int w = 1; w < THREADS_ / 32; ++w) mx = fmaxf(mx, warp_max[w]);
+    return mx;
 }
 
 }  // namespace mla
@@ -601,12 +615,37 @@ __device__ __forceinline__ RowChunks row_chunks(long long r, const int* seq_len,
     return {chunks, pre};
 }
 
+// One fold group's items as mla_combine_rows loads them: four output dims and the (max, sum) of each.
+struct GroupItems {
+    int n;       // items (1..FOLD)
+    bool state;  // the first item is the group's folded state (mla_chunk's `fold`)
+    float4 o[FOLD];
+    float2 ml[FOLD];
+};
+
+__device__ __forceinline__ GroupItems load_group(const FoldList& f, int g, long long base, const float* part_o,
+                                                 const float* part_ml) {
+    GroupItems it;
+    const int k0 = f.items_before(g);
+    it.n = f.items_before(g + 1) - k0;
+    it.state = g < f.pre_groups;
+#pragma unroll
+    for (int j = 0; j < FOLD; ++j) {
+        if (j >= it.n) break;
+        const long long idx = base + f.slot(k0 + j);
+        it.o[j] = reinterpret_cast<const float4*>(part_o + idx * LATENT)[threadIdx.x];
+        it.ml[j] = reinterpret_cast<const float2*>(part_ml)[idx];
+    }
+    return it;
+}
+
 // mla_combine_rows: the same fold as mla_combine (below), one CTA of ROWS_THREADS per row, each thread
-// folding four output dims group by group straight from global memory. Each group waits for its loads,
-// so a row costs its number of groups in load latencies; with many rows in flight that latency is
-// hidden and this plain loop moves the partials faster than mla_combine's staging, which pays off only
-// for few rows (the launcher picks, see src/cuda/mla.rs). Same fold_ml / fold_o operands in the same
-// order, so both give the same bits. Grid (query rows); status as in mla_combine.
+// folding four output dims group by group straight from global memory. The groups' weights need only
+// the row max, so no step waits on the one before but through one FMA: each group's loads are issued one
+// group ahead, and with many rows in flight this plain loop moves the partials faster than mla_combine's
+// staging, which pays off only for few rows (the launcher picks, see src/cuda/mla.rs). Same operands in
+// the same order as mla_combine (and the same row_max), so both give the same bits. Grid (query rows);
+// status as in mla_combine.
 constexpr int ROWS_THREADS = LATENT / 4;
 
 extern "C" __global__ void __launch_bounds__(ROWS_THREADS)
@@ -614,56 +653,71 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS)
                      int words, int heads, int max_chunks, int max_seq_len, int folded,
                      const float* __restrict__ part_o, const float* __restrict__ part_ml, float* __restrict__ o,
                      float* __restrict__ lse, int* __restrict__ status) {
+    __shared__ float warp_max[ROWS_THREADS / 32];
     const long long r = blockIdx.x;
     if (r == 0 && threadIdx.x == 0) collect_chunk_status(status);
     const RowChunks rc = row_chunks(r, seq_len, visibility, n_rows, words, heads, max_chunks, max_seq_len, folded,
                                     threadIdx.x == 0, status);
-    const int chunks = rc.chunks, pre = rc.pre;
-    float m = -INFINITY, l = 0.f;
+    const FoldList f{rc.chunks, rc.pre, (rc.pre + FOLD - 1) / FOLD};
+    const int groups = (rc.chunks + FOLD - 1) / FOLD;
+    const long long base = r * max_chunks;
+    // The first group's loads fly while the row max is taken.
+    GroupItems cur;
+    if (groups > 0) cur = load_group(f, 0, base, part_o, part_ml);
+    const float m_row = row_max<ROWS_THREADS>(f, f.items_before(groups), part_ml + 2 * base, warp_max);
+    float l = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int g0 = 0; g0 < chunks; g0 += FOLD) {
-        const int g1 = min(g0 + FOLD, chunks);
+    for (int g = 0; g < groups; ++g) {
+        GroupItems next;
+        if (g + 1 < groups) next = load_group(f, g + 1, base, part_o, part_ml);
+        // The group's fold in item order, from its state item or the initial state.
         float gm = -INFINITY, gl = 0.f;
         float4 gacc = make_float4(0.f, 0.f, 0.f, 0.f);
-        int c = g0;
-        if (g0 < pre) {
-            const long long idx = r * max_chunks + g0;
-            gm = part_ml[2 * idx];
-            gl = part_ml[2 * idx + 1];
-            gacc = reinterpret_cast<const float4*>(part_o + idx * LATENT)[threadIdx.x];
-            c = min(g1, pre);
-        }
-        // The group's partials are loaded before folding, so their loads are in flight together.
-        float4 oc[FOLD];
-        float2 ml[FOLD];
 #pragma unroll
-        for (int k = 0; k < FOLD; ++k) {
-            if (c + k >= g1) break;
-            const long long idx = r * max_chunks + c + k;
-            oc[k] = reinterpret_cast<const float4*>(part_o + idx * LATENT)[threadIdx.x];
-            ml[k] = reinterpret_cast<const float2*>(part_ml)[idx];
-        }
-#pragma unroll
-        for (int k = 0; k < FOLD; ++k) {
-            if (c + k >= g1) break;
+        for (int j = 0; j < FOLD; ++j) {
+            if (j >= cur.n) break;
+            if (cur.state && j == 0) {
+                gm = cur.ml[0].x;
+                gl = cur.ml[0].y;
+                gacc = cur.o[0];
+                continue;
+            }
             float a, b;
-            fold_ml(gm, gl, ml[k].x, ml[k].y, a, b);
-            gacc.x = fold_o(gacc.x, a, oc[k].x, b);
-            gacc.y = fold_o(gacc.y, a, oc[k].y, b);
-            gacc.z = fold_o(gacc.z, a, oc[k].z, b);
-            gacc.w = fold_o(gacc.w, a, oc[k].w, b);
+            fold_ml(gm, gl, cur.ml[j].x, cur.ml[j].y, a, b);
+            gacc.x = fold_o(gacc.x, a, cur.o[j].x, b);
+            gacc.y = fold_o(gacc.y, a, cur.o[j].y, b);
+            gacc.z = fold_o(gacc.z, a, cur.o[j].z, b);
+            gacc.w = fold_o(gacc.w, a, cur.o[j].w, b);
         }
-        float a, b;
-        fold_ml(m, l, gm, gl, a, b);
-        acc.x = fold_o(acc.x, a, gacc.x, b);
-        acc.y = fold_o(acc.y, a, gacc.y, b);
-        acc.z = fold_o(acc.z, a, gacc.z, b);
-        acc.w = fold_o(acc.w, a, gacc.w, b);
+        const float w = ex2(__fsub_rn(gm, m_row));
+        l = __fmaf_rn(gl, w, l);
+        acc.x = __fmaf_rn(gacc.x, w, acc.x);
+        acc.y = __fmaf_rn(gacc.y, w, acc.y);
+        acc.z = __fmaf_rn(gacc.z, w, acc.z);
+        acc.w = __fmaf_rn(gacc.w, w, acc.w);
+        cur = next;
     }
+    const bool any = groups > 0;
     float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (chunks > 0) out = make_float4(__fdiv_rn(acc.x, l), __fdiv_rn(acc.y, l), __fdiv_rn(acc.z, l), __fdiv_rn(acc.w, l));
+    if (any) out = make_float4(__fdiv_rn(acc.x, l), __fdiv_rn(acc.y, l), __fdiv_rn(acc.z, l), __fdiv_rn(acc.w, l));
     reinterpret_cast<float4*>(o + r * LATENT)[threadIdx.x] = out;
-    if (threadIdx.x == 0) lse[r] = chunks > 0 ? __fmul_rn(__fadd_rn(m, log2f(l)), LN2) : -INFINITY;
+    if (threadIdx.x == 0) lse[r] = any ? __fmul_rn(__fadd_rn(m_row, log2f(l)), LN2) : -INFINITY;
+}
+
+// Queues one cp.async burst of a window's items (groups [gw0, gw1) of the fold list): their (max, sum)
+// into s.item (one commit group), then the slice of their partial outputs into s.o (a second group).
+__device__ __forceinline__ void stage_window(CombineSmem& s, const FoldList& f, int gw0, int gw1, long long base,
+                                             const float* part_ml, const float* src_o, int dims_shift) {
+    const int i0 = f.items_before(gw0), n_items = f.items_before(gw1) - i0;
+    const int piece_shift = dims_shift - 2;  // 16-byte pieces per item: dims / 4
+    for (int k = threadIdx.x; k < n_items; k += COMBINE_THREADS)
+        kdt::cp_async8(&s.item[k], part_ml + 2 * (base + f.slot(i0 + k)));
+    kdt::cp_async_commit();
+    for (int p = threadIdx.x; p < (n_items << piece_shift); p += COMBINE_THREADS) {
+        const int k = p >> piece_shift, q = p & ((1 << piece_shift) - 1);
+        kdt::cp_async16(&s.o[(k << dims_shift) + 4 * q], src_o + (base + f.slot(i0 + k)) * LATENT + 4 * q, 16);
+    }
+    kdt::cp_async_commit();
 }
 
 // mla_combine: the rest of each row's fixed two-level fold (see the top of the file), then the
@@ -672,17 +726,20 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS)
 // 0) and GP = ceil(P / FOLD) groups starting below P, it is the GP state slots g * FOLD (group g's state
 // so far), then the per-chunk slots P, P + 1, ... up to the row's last chunk. Item i < GP is the state
 // of group i; item i >= GP is chunk slot P + i - GP; group g's items are [I(g), I(g + 1)) (FoldList).
-// Group g starts from its state item (g < GP) or from the initial state, and folds its other items in
-// order; then the group states are folded in group order: the same fold_ml / fold_o with the same
-// operands in the same order as a single loop over the groups, so the bits are those of that loop.
+// Group g's state (m_g, l_g, o_g) starts from its state item (g < GP) or from the initial state and folds
+// its other items in order (fold_ml / fold_o, as mla_chunk's `fold` does). The groups are then combined
+// with the row max M = max_g m_g (exact in any order; row_max): each group's weight w_g = 2^(m_g - M) is
+// independent of the others, and l = sum_g l_g w_g and o = sum_g o_g w_g are FMA chains in group order
+// from 0, so that no long chain of dependent (max, exp) steps remains. Output o / l, lse (M + log2 l) ln 2.
 //
 // Nothing waits on a chain of global loads: a CTA takes one row and a slice of its 512 output dims
 // (`slices` CTAs per row) and walks the fold list in windows of whole groups whose items fit the
-// staging buffer. Per window: (1) one cp.async burst brings the items' (max, sum) and the slice of
-// their partial outputs into shared memory; (2) one thread per group folds the group's (max, sum) in
-// order, leaving each item's factors (a, b); (3) thread 0 folds the group states in order (the only
-// serial chain, on shared memory), leaving each group's factors, while the other threads fold each
-// (group, dim)'s outputs with the item factors; (4) one thread per dim folds the group outputs.
+// staging buffer. The first window's burst is queued before the row max is taken, so their loads
+// overlap. Per window: (1) one cp.async burst brings the items' (max, sum) and the slice of their
+// partial outputs into shared memory; (2) one thread per group folds the group's (max, sum) in order,
+// leaving each item's factors (a, b) and the group's (l_g, w_g); (3) the threads fold each (group,
+// dim)'s outputs with the item factors; (4) one thread per dim adds the weighted group outputs (and
+// each such thread the weighted sums, so l needs no broadcast).
 //
 // grid (query rows * slices), COMBINE_THREADS threads; `slices` (a power of two in 4..32) CTAs per row,
 // each over LATENT / slices output dims. A row longer than `max_seq_len` flags STATUS_TOO_LONG and gets
@@ -703,29 +760,22 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
     if (blockIdx.x == 0 && tid == 0) collect_chunk_status(status);
     const RowChunks rc = row_chunks(r, seq_len, visibility, n_rows, words, heads, max_chunks, max_seq_len, folded,
                                     slice == 0 && tid == 0, status);
-    const int chunks = rc.chunks, pre = rc.pre;
-    const FoldList f{chunks, pre, (pre + FOLD - 1) / FOLD};
-    const int groups = (chunks + FOLD - 1) / FOLD;
+    const FoldList f{rc.chunks, rc.pre, (rc.pre + FOLD - 1) / FOLD};
+    const int groups = (rc.chunks + FOLD - 1) / FOLD;
     const int cap = STAGE_FLOATS >> dims_shift;  // items per window
-    const int piece_shift = dims_shift - 2;      // 16-byte pieces per item: dims / 4
     const long long base = r * max_chunks;
     const float* src_o = part_o + slice * dims;
-    float m = -INFINITY, l = 0.f;  // the cross-group state (thread 0)
-    float acc = 0.f;               // the output of dim `tid` of the slice (tid < dims)
-    for (int gw0 = 0; gw0 < groups;) {
-        const int gw1 = window_end(f, gw0, groups, cap);
-        const int i0 = f.items_before(gw0), n_items = f.items_before(gw1) - i0, n_groups = gw1 - gw0;
-        for (int k = tid; k < n_items; k += COMBINE_THREADS)
-            kdt::cp_async8(&s.item[k], part_ml + 2 * (base + f.slot(i0 + k)));
-        kdt::cp_async_commit();
-        for (int p = tid; p < (n_items << piece_shift); p += COMBINE_THREADS) {
-            const int k = p >> piece_shift, q = p & ((1 << piece_shift) - 1);
-            kdt::cp_async16(&s.o[(k << dims_shift) + 4 * q], src_o + (base + f.slot(i0 + k)) * LATENT + 4 * q, 16);
-        }
-        kdt::cp_async_commit();
+    int gw0 = 0, gw1 = groups > 0 ? window_end(f, 0, groups, cap) : 0;
+    if (groups > 0) stage_window(s, f, gw0, gw1, base, part_ml, src_o, dims_shift);
+    const float m_row = row_max<COMBINE_THREADS>(f, f.items_before(groups), part_ml + 2 * base, s.warp_max);
+    float l = 0.f;    // the row's sum (threads tid < dims)
+    float acc = 0.f;  // the output of dim `tid` of the slice (tid < dims)
+    while (gw0 < groups) {
+        const int i0 = f.items_before(gw0), n_groups = gw1 - gw0;
         kdt::cp_async_wait<1>();  // this thread's (max, sum) loads have landed ...
-        __syncthreads();     // ... and everyone's
-        // Each group's (max, sum) fold, in item order from its state item or the initial state.
+        __syncthreads();          // ... and everyone's
+        // Each group's (max, sum) fold, in item order from its state item or the initial state, and
+        // its weight.
         for (int gg = tid; gg < n_groups; gg += COMBINE_THREADS) {
             const int g = gw0 + gg;
             int k = f.items_before(g) - i0;
@@ -742,20 +792,10 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
                 fold_ml(gm, gl, c.x, c.y, a, b);
                 s.item[k] = make_float2(a, b);
             }
-            s.group[gg] = make_float2(gm, gl);
+            s.group[gg] = make_float2(gl, ex2(__fsub_rn(gm, m_row)));
         }
         kdt::cp_async_wait<0>();
-        __syncthreads();  // item factors, group states and the staged outputs are complete
-        if (tid == 0) {
-            // The cross-group (max, sum) chain: short dependent steps on shared memory.
-#pragma unroll 4
-            for (int gg = 0; gg < n_groups; ++gg) {
-                const float2 gs = s.group[gg];
-                float a, b;
-                fold_ml(m, l, gs.x, gs.y, a, b);
-                s.group[gg] = make_float2(a, b);
-            }
-        }
+        __syncthreads();  // item factors, group weights and the staged outputs are complete
         // Each (group, dim)'s output fold over the group's items, left in the group's first item row.
         for (int p = tid; p < (n_groups << dims_shift); p += COMBINE_THREADS) {
             const int g = gw0 + (p >> dims_shift), d = p & (dims - 1);
@@ -774,21 +814,25 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
                 if (j < n && !(state && j == 0)) gacc = fold_o(gacc, ab[j].x, v[j], ab[j].y);
             s.o[(k0 << dims_shift) + d] = gacc;
         }
-        __syncthreads();  // group outputs and cross-group factors are complete
+        __syncthreads();  // group outputs are complete
         if (tid < dims) {
 #pragma unroll 4
             for (int gg = 0; gg < n_groups; ++gg) {
-                const float2 ab = s.group[gg];
-                acc = fold_o(acc, ab.x, s.o[((f.items_before(gw0 + gg) - i0) << dims_shift) + tid], ab.y);
+                const float2 lw = s.group[gg];
+                acc = __fmaf_rn(s.o[((f.items_before(gw0 + gg) - i0) << dims_shift) + tid], lw.y, acc);
+                l = __fmaf_rn(lw.x, lw.y, l);
             }
         }
         __syncthreads();  // the window's shared memory is free
         gw0 = gw1;
+        if (gw0 < groups) {
+            gw1 = window_end(f, gw0, groups, cap);
+            stage_window(s, f, gw0, gw1, base, part_ml, src_o, dims_shift);
+        }
     }
-    if (tid == 0) {
-        s.l = l;
-        if (slice == 0) lse[r] = chunks > 0 ? __fmul_rn(__fadd_rn(m, log2f(l)), LN2) : -INFINITY;
+    if (tid < dims) {
+        const bool any = groups > 0;
+        if (tid == 0 && slice == 0) lse[r] = any ? __fmul_rn(__fadd_rn(m_row, log2f(l)), LN2) : -INFINITY;
+        o[r * LATENT + slice * dims + tid] = any ? __fdiv_rn(acc, l) : 0.f;
     }
-    __syncthreads();
-    if (tid < dims) o[r * LATENT + slice * dims + tid] = chunks > 0 ? __fdiv_rn(acc, s.l) : 0.f;
 }
