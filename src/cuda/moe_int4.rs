@@ -403,7 +403,11 @@ impl MoePlan {
         check_aligned("x", x.device_ptr(gpu.stream()).0, 16)?;
         let blocks = self.shape.count.min(tokens * self.k) as u32;
         let widths: &[bool] = if self.max_per_expert > NARROW_TOKENS { &[false, true] } else { &[false] };
-        for &wide in widths {
+        // The narrow gate/up GEMM goes last and the narrow down GEMM right after it, so that the down GEMM
+        // stages its first weights during the gate/up GEMM's tail: at a few tokens the wide kernels have
+        // few or no experts, and one between them would hold the down GEMM back until the gate/up GEMM
+        // completes. The kernels serve disjoint experts, so the order changes no result.
+        for &wide in widths.iter().rev() {
             self.launch_gate_up(gpu, experts, x, blocks, wide)?;
         }
         for &wide in widths {
