@@ -24,6 +24,9 @@ constexpr int CHUNK = 8192;
 constexpr int CHUNK_THREADS = 256;
 constexpr int CHUNK_WARPS = CHUNK_THREADS / 32;
 constexpr int CHUNK_ITEMS = CHUNK / CHUNK_THREADS;  // per thread, in registers
+// CTAs an SM should hold: 4 caps the chunk kernel at 64 registers, where ptxas spills only two words outside
+// the exp loop, for 32 warps an SM rather than 24 at 3 (80 registers) to hide the barriers and loads.
+constexpr int CHUNK_MIN_BLOCKS = 4;
 constexpr int GROUP_ITEMS = 16;
 constexpr int GROUPS = CHUNK / GROUP_ITEMS;
 constexpr int MERGE_ITEMS = 8;
@@ -873,13 +876,13 @@ __device__ void merge_kernel(const u64* __restrict__ cand, const float* __restri
 }  // namespace topk
 }  // namespace kdt
 
-extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, 3)
+extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, kdt::topk::CHUNK_MIN_BLOCKS)
     topk_chunk_f32(const float* logits, int vocab, int k, kdt::u64* cand, float* chunk_max, kdt::u64* chunk_sum,
                    kdt::u64* chunk_kth, int* chunk_flags) {
     kdt::topk::chunk_kernel<float>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags);
 }
 
-extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, 3)
+extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, kdt::topk::CHUNK_MIN_BLOCKS)
     topk_chunk_bf16(const __nv_bfloat16* logits, int vocab, int k, kdt::u64* cand, float* chunk_max,
                     kdt::u64* chunk_sum, kdt::u64* chunk_kth, int* chunk_flags) {
     kdt::topk::chunk_kernel<__nv_bfloat16>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags);
