@@ -204,10 +204,14 @@ __device__ __forceinline__ float max_nan(float a, float b) {
     return r;
 }
 
-__device__ __forceinline__ u64 warp_sum_u64(u64 v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
-    return v;
+// Warp sum of the threads' exp-term sums (CHUNK_ITEMS terms of at most 2^44 each): as two
+// 32-bit reductions (REDUX) of 26-bit pieces, whose warp sums stay below 2^31, rather than five rounds of
+// 64-bit shuffles and adds.
+__device__ __forceinline__ u64 warp_sum_terms(u64 v) {
+    static_assert(CHUNK_ITEMS <= 64, "a thread's sum is at most 2^50, so both pieces' warp sums fit 32 bits");
+    const unsigned int lo = __reduce_add_sync(FULL_MASK, (unsigned int)(v & 0x3FFFFFFu));
+    const unsigned int hi = __reduce_add_sync(FULL_MASK, (unsigned int)(v >> 26));
+    return ((u64)hi << 26) + lo;
 }
 
 __device__ __forceinline__ u64 warp_min_u64(u64 v) {
@@ -545,7 +549,7 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
     u64 local_sum = 0;
 #pragma unroll
     for (int i = 0; i < CHUNK_ITEMS; ++i) local_sum += lse_term(vals[i], m);
-    local_sum = warp_sum_u64(local_sum);
+    local_sum = warp_sum_terms(local_sum);
     if (lane == 0) sm.warp_sum[warp] = local_sum;
     __syncthreads();
 
