@@ -57,10 +57,10 @@ __device__ __forceinline__ int status_of_keys(uint32_t kmax, uint32_t kmin) {
 // p * 2^k is exact (p * 2^E is near 2^E and k >= -46, so the result stays normal), so it is an add of k to
 // the exponent field, one integer multiply-add of the rint sum's bits.
 // FLOORED (lse_term, E 44) fuses two more steps, each into one FMA: d * LOG2E + 1.5 * 2^23 (rint of the
-// exact product rather than of the rounded one) and the first polynomial step C7 * r + C6. Both change
-// expd itself for some d (the check counts them), never q = floor(expd * 2^44); fusing the second step as
-// well would change q (for 24 d). reference/check_expd_scaled.py checks every f32 d in [-32, 0]: q of the
-// FLOORED form, and the bits of expd from the other form.
+// exact product rather than of the rounded one) and the first polynomial step C7 * r + C6. Together they
+// change expd itself for 4 d in [-31, 0] (the fused rint picks another k), never q = floor(expd * 2^44);
+// fusing the second step as well would change q (for 24 d). reference/check_expd_scaled.py checks every
+// f32 d in [-32, 0]: q of the FLOORED form, and the bits of expd from the other form.
 template <int E, bool FLOORED>
 __device__ __forceinline__ float expd_scaled(float d) {
     static_assert(E >= 0 && E <= 64, "2^E scales the coefficients without overflow");

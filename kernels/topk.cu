@@ -24,6 +24,9 @@ constexpr int CHUNK = 8192;
 constexpr int CHUNK_THREADS = 256;
 constexpr int CHUNK_WARPS = CHUNK_THREADS / 32;
 constexpr int CHUNK_ITEMS = CHUNK / CHUNK_THREADS;  // per thread, in registers
+// CTAs an SM should hold: 4 caps the chunk kernel at 64 registers, where ptxas spills only two words outside
+// the exp loop, for 32 warps an SM rather than 24 at 3 (80 registers) to hide the barriers and loads.
+constexpr int CHUNK_MIN_BLOCKS = 4;
 constexpr int GROUP_ITEMS = 16;
 constexpr int GROUPS = CHUNK / GROUP_ITEMS;
 constexpr int MERGE_ITEMS = 8;
@@ -201,10 +204,14 @@ __device__ __forceinline__ float max_nan(float a, float b) {
     return r;
 }
 
-__device__ __forceinline__ u64 warp_sum_u64(u64 v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
-    return v;
+// Warp sum of the threads' exp-term sums (CHUNK_ITEMS terms of at most 2^44 each): as two
+// 32-bit reductions (REDUX) of 26-bit pieces, whose warp sums stay below 2^31, rather than five rounds of
+// 64-bit shuffles and adds.
+__device__ __forceinline__ u64 warp_sum_terms(u64 v) {
+    static_assert(CHUNK_ITEMS <= 64, "a thread's sum is at most 2^50, so both pieces' warp sums fit 32 bits");
+    const unsigned int lo = __reduce_add_sync(FULL_MASK, (unsigned int)(v & 0x3FFFFFFu));
+    const unsigned int hi = __reduce_add_sync(FULL_MASK, (unsigned int)(v >> 26));
+    return ((u64)hi << 26) + lo;
 }
 
 __device__ __forceinline__ u64 warp_min_u64(u64 v) {
@@ -542,7 +549,7 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
     u64 local_sum = 0;
 #pragma unroll
     for (int i = 0; i < CHUNK_ITEMS; ++i) local_sum += lse_term(vals[i], m);
-    local_sum = warp_sum_u64(local_sum);
+    local_sum = warp_sum_terms(local_sum);
     if (lane == 0) sm.warp_sum[warp] = local_sum;
     __syncthreads();
 
@@ -873,13 +880,13 @@ __device__ void merge_kernel(const u64* __restrict__ cand, const float* __restri
 }  // namespace topk
 }  // namespace kdt
 
-extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, 3)
+extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, kdt::topk::CHUNK_MIN_BLOCKS)
     topk_chunk_f32(const float* logits, int vocab, int k, kdt::u64* cand, float* chunk_max, kdt::u64* chunk_sum,
                    kdt::u64* chunk_kth, int* chunk_flags) {
     kdt::topk::chunk_kernel<float>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags);
 }
 
-extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, 3)
+extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, kdt::topk::CHUNK_MIN_BLOCKS)
     topk_chunk_bf16(const __nv_bfloat16* logits, int vocab, int k, kdt::u64* cand, float* chunk_max,
                     kdt::u64* chunk_sum, kdt::u64* chunk_kth, int* chunk_flags) {
     kdt::topk::chunk_kernel<__nv_bfloat16>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags);
