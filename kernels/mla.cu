@@ -25,11 +25,11 @@
 //   arithmetic as a plain loop, one CTA per row.
 // Continuing a left fold from a stored state gives the bits of doing it in one place, and the row max
 // is exact in any order, so whether a launch folds, and which combine kernel runs (host choices by
-// launch size), never changes the bits. All modes run the same
-// process_chunk, whose per-row arithmetic does not depend on the other rows of the tile (mma computes
-// each output element from its own row) nor on where the keys come from (a key sits at the same
-// position of the chunk in every mode). So a tree row gives the bits of a decode over its compacted
-// sequence, and a request gives the same bits alone or in any batch.
+// launch size), never changes the bits. All modes run the same run_chunk, whose per-row arithmetic
+// does not depend on the other rows of the tile (mma computes each output element from its own row)
+// nor on where the keys come from (a key sits at the same position of the chunk in every mode). So a
+// tree row gives the bits of a decode over its compacted sequence, and a request gives the same bits
+// alone or in any batch.
 //
 // Grids are sized from the run's max_seq_len (a host-known bound on every row's sequence), not the
 // plan's; a row past it is flagged (STATUS_TOO_LONG) and gets o = 0, lse = -inf.
@@ -277,8 +277,8 @@ __device__ __forceinline__ float row_sum(float share) {
 // butterfly gives every thread of a row the same max (each step is commutative).
 __device__ __forceinline__ void softmax_step(Smem& s, int sub, int nkeys, float scale_log2, RowState& st) {
     const int row = threadIdx.x / ROW_THREADS, k = threadIdx.x % ROW_THREADS, col = s_col(row, k);
-    const float acc = __fadd_rn(__fadd_rn(__fadd_rn(s.s_part[0][row][col], s.s_part[1][row][col]), s.s_part[2][row][col]),
-                                s.s_part[3][row][col]);
+    const float acc = __fadd_rn(
+        __fadd_rn(__fadd_rn(s.s_part[0][row][col], s.s_part[1][row][col]), s.s_part[2][row][col]), s.s_part[3][row][col]);
     const float x = sub * BK + k < nkeys ? __fmul_rn(acc, scale_log2) : -INFINITY;
     float mx = x;
 #pragma unroll
@@ -375,7 +375,7 @@ __device__ __forceinline__ void fold_partial(Smem& s, const Task& t, const float
         s.fold_a[threadIdx.x / ROW_THREADS] = a;
         s.fold_b[threadIdx.x / ROW_THREADS] = b;
     }
-    __syncthreads();  // fold factors visible; every thread is also done with the chunk's shared memory
+    __syncthreads();  // fold factors visible
     const int g = lane >> 2;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -397,24 +397,16 @@ __device__ __forceinline__ void fold_partial(Smem& s, const Task& t, const float
     }
 }
 
-// The one routine that computes a chunk for a tile of query rows sharing its key list: leaves the
-// unnormalized output in o and the rows' (max, sum) in row (the sum replicated). Three barriers per
-// sub-tile of BK keys: the sub-tile has landed (and the previous one's stage is released), the S
-// partials are complete, P is complete. Sub-tile `sub` lives in stage sub % STAGES; the stage refilled
-// at iteration sub is that of sub - 1, which every warp has finished reading at the first barrier.
-__device__ void process_chunk(Smem& s, const Task& t, const Pages& pg, int n_rows, const __nv_bfloat16* q,
-                              const __nv_bfloat16* cache, float scale, float (&o)[MT][PV_NT][4], RowState& row,
-                              int* status) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // S: warp = (quarter, m-tile, n-tile); the Q fragments of its quarter and m-tile stay in registers.
-    const int quarter = warp / (WARPS / 4), mtile = warp / NT % MT, nt = warp % NT;
+// Starts chunk t.chunk for a tile of query rows sharing its key list: builds the key list and queues
+// the first STAGES - 1 sub-tiles (one cp.async group each, sub-tile j in stage j). Returns the chunk's
+// key count. The barrier after the key list also waits until every thread is done with the previous
+// chunk's stages (each thread's last read of key_off precedes its last run_chunk barrier), so this may
+// run as soon as run_chunk returns, ahead of fold_partial, and the chunk's first loads fly meanwhile.
+__device__ int begin_chunk(Smem& s, const Task& t, const Pages& pg, int n_rows, const __nv_bfloat16* cache,
+                           int* status) {
     const int nkeys = min(SPLIT, t.len - t.chunk * SPLIT);
     build_key_list(s, t, pg, n_rows, nkeys, status);
-    uint32_t qa[QUARTER_STEPS][4];
-    load_q(qa, q, t, quarter, 16 * mtile + (lane >> 2), lane & 3);
-    const float scale_log2 = __fmul_rn(scale, LOG2E);
     __syncthreads();  // key_off is complete
-
     const int nsub = (nkeys + BK - 1) / BK;
     // Not unrolled: four inlined copies of load_subtile push the kernel past its 128 registers.
 #pragma unroll 1
@@ -422,10 +414,24 @@ __device__ void process_chunk(Smem& s, const Task& t, const Pages& pg, int n_row
         if (st < nsub) load_subtile(s, cache, st, nkeys, st);
         cp_async_commit();
     }
+    return nkeys;
+}
+
+// The one routine that computes a chunk (begun by begin_chunk) for a tile of query rows: leaves the
+// unnormalized output in o and the rows' (max, sum) in row (the sum replicated). Three barriers per
+// sub-tile of BK keys: the sub-tile has landed (and the previous one's stage is released), the S
+// partials are complete, P is complete. Sub-tile `sub` lives in stage sub % STAGES; the stage refilled
+// at iteration sub is that of sub - 1, which every warp has finished reading at the first barrier.
+// qa: the Q fragments of the warp's dim quarter and m-tile.
+__device__ void run_chunk(Smem& s, int nkeys, const __nv_bfloat16* cache, const uint32_t (&qa)[QUARTER_STEPS][4],
+                          float scale_log2, float (&o)[MT][PV_NT][4], RowState& row) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int quarter = warp / (WARPS / 4), mtile = warp / NT % MT, nt = warp % NT;
+    const int nsub = (nkeys + BK - 1) / BK;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < PV_NT; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.f;
+        for (int n = 0; n < PV_NT; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
     row = RowState{-INFINITY, 0.f};
     for (int sub = 0, stage = 0; sub < nsub; ++sub) {
         // At most STAGES - 2 groups pending: sub-tile `sub` (group `sub`) has landed for this thread.
@@ -559,21 +565,30 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)
     t.row0 += blockIdx.x * BM;
     const Pages pg{block_table + (long long)request * pages_per_req, pages_per_req, page_size, num_pages};
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // The Q fragments of the warp's dim quarter and m-tile (the S warp roles of run_chunk), for every chunk.
+    uint32_t qa[QUARTER_STEPS][4];
+    load_q(qa, q, t, warp / (WARPS / 4), 16 * (warp / NT % MT) + (lane >> 2), lane & 3);
+    const float scale_log2 = __fmul_rn(scale, LOG2E);
+    int nkeys = begin_chunk(s, t, pg, n_rows, cache, status);
     float o[MT][PV_NT][4];
     RowState row;
     if (!folding) {
-        process_chunk(s, t, pg, n_rows, q, cache, scale, o, row, status);
+        run_chunk(s, nkeys, cache, qa, scale_log2, o, row);
         store_partial(t, o, row, warp, lane, max_chunks, part_o, part_ml);
         return;
     }
     // The group's chunks in order, each folded into the group state exactly as mla_combine would fold
-    // their partials (fold_ml / fold_o from the initial state, in chunk order).
+    // their partials (fold_ml / fold_o from the initial state, in chunk order). The next chunk is begun
+    // before the fold, so that its first sub-tiles load while the group state is read back and written.
     const int chunks = (t.len + SPLIT - 1) / SPLIT;
     const int last = min(min(first + FOLD, chunks), max_chunks);
     RowState group{-INFINITY, 0.f};
     for (int c = first; c < last; ++c) {
-        t.chunk = c;
-        process_chunk(s, t, pg, n_rows, q, cache, scale, o, row, status);
+        run_chunk(s, nkeys, cache, qa, scale_log2, o, row);
+        if (c + 1 < last) {
+            t.chunk = c + 1;
+            nkeys = begin_chunk(s, t, pg, n_rows, cache, status);
+        }
         fold_partial(s, t, o, row, group, c == first, first, warp, lane, max_chunks, part_o);
     }
     const int r = t.row0 + threadIdx.x / ROW_THREADS;
