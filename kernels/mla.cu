@@ -193,18 +193,34 @@ __device__ void build_key_list(Smem& s, const Task& t, const Pages& pg, int n_ro
     }
 }
 
-// Queues the cache rows of sub-tile `sub` into `stage`; keys past the chunk are zero-filled so that
-// their (zero) probabilities never meet stale or uninitialized values.
-__device__ __forceinline__ void load_subtile(Smem& s, const __nv_bfloat16* cache, int sub, int nkeys, int stage) {
-    // LOAD_THREADS threads per key row: one key-offset lookup per thread, then consecutive pieces.
+// cp_async16 under a guard predicate: issues nothing when `active` is false. A predicate instead of a
+// branch keeps load_subtile one basic block, so that the scheduler can interleave it with the S mmas.
+__device__ __forceinline__ void cp_async16_if(bool active, void* dst, const void* src, int bytes) {
+    asm volatile(
+        "{\n"
+        " .reg .pred p;\n"
+        " setp.ne.b32 p, %3, 0;\n"
+        " @p cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+        "}\n" ::"r"(smem_addr(dst)),
+        "l"(src), "r"(bytes), "r"((int)active));
+}
+
+// Queues the cache rows of sub-tile `sub` into `stage` (nothing unless `active`); keys past the chunk
+// are zero-filled so that their (zero) probabilities never meet stale or uninitialized values.
+__device__ __forceinline__ void load_subtile(Smem& s, const __nv_bfloat16* cache, int sub, int nkeys, int stage,
+                                             bool active) {
+    // LOAD_THREADS threads per key row: one key-offset lookup per thread, then every LOAD_THREADS-th
+    // piece (the last round only for the first PIECES % LOAD_THREADS threads).
     constexpr int LOAD_THREADS = THREADS / BK;
     const int k = threadIdx.x / LOAD_THREADS, first = threadIdx.x % LOAD_THREADS;
     const int key = sub * BK + k;
     const bool valid = key < nkeys;
-    const __nv_bfloat16* src = cache + (valid ? s.key_off[key] : 0);
+    const __nv_bfloat16* src = cache + (active && valid ? s.key_off[key] : 0);
 #pragma unroll
-    for (int piece = first; piece < PIECES; piece += LOAD_THREADS)
-        cp_async16(&s.kv[stage][k][piece * 8], src + piece * 8, valid ? 16 : 0);
+    for (int i = 0; i < (PIECES + LOAD_THREADS - 1) / LOAD_THREADS; ++i) {
+        const int piece = first + i * LOAD_THREADS;
+        cp_async16_if(active && piece < PIECES, &s.kv[stage][k][piece * 8], src + piece * 8, valid ? 16 : 0);
+    }
 }
 
 // Q fragments of one dim quarter for the tile rows r and r + 8 (zero past row1).
@@ -230,10 +246,12 @@ __device__ __forceinline__ int s_col(int r, int k) { return k ^ (((r >> 1) & 1) 
 
 // S partial sum of one dim quarter over one m-tile and n-tile `nt`: the even and odd k-steps of the
 // quarter each chained in order in their own accumulator (two chains of 5 and 4 dependent mmas instead
-// of one of 9), then added; stored to s_part[quarter].
+// of one of 9); store_scores adds them. Only issues the mmas, so that the caller can queue other work
+// (the next sub-tile's loads) while they run.
 __device__ __forceinline__ void scores(Smem& s, int stage, const uint32_t (&qa)[QUARTER_STEPS][4], int quarter,
-                                       int mtile, int nt, int lane) {
-    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+                                       int nt, int lane, float (&acc)[2][4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[0][i] = acc[1][i] = 0.f;
     const __nv_bfloat16* base = &s.kv[stage][nt * 8 + (lane & 7)][quarter * QUARTER + 8 * (lane >> 3)];
     // Every fragment is loaded first (the asm statements keep their order), so that the loads overlap.
     // Each x4 holds two k-steps; the last step (dims 128..143 of the quarter) is an x2 (lanes 16..31
@@ -249,6 +267,11 @@ __device__ __forceinline__ void scores(Smem& s, int stage, const uint32_t (&qa)[
         mma_bf16(acc[1], qa[2 * j + 1], b[j][2], b[j][3]);
     }
     mma_bf16(acc[0], qa[QUARTER_STEPS - 1], last[0], last[1]);
+}
+
+// Stores the S partial that `scores` accumulated to s_part[quarter].
+__device__ __forceinline__ void store_scores(Smem& s, const float (&acc)[2][4], int quarter, int mtile, int nt,
+                                             int lane) {
     const int g = 16 * mtile + (lane >> 2), col = s_col(g, nt * 8 + 2 * (lane & 3));  // same for row g + 8
     *reinterpret_cast<float2*>(&s.s_part[quarter][g][col]) =
         make_float2(__fadd_rn(acc[0][0], acc[1][0]), __fadd_rn(acc[0][1], acc[1][1]));
@@ -411,7 +434,7 @@ __device__ int begin_chunk(Smem& s, const Task& t, const Pages& pg, int n_rows, 
     // Not unrolled: four inlined copies of load_subtile push the kernel past its 128 registers.
 #pragma unroll 1
     for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < nsub) load_subtile(s, cache, st, nkeys, st);
+        load_subtile(s, cache, st, nkeys, st, st < nsub);
         cp_async_commit();
     }
     return nkeys;
@@ -439,10 +462,13 @@ __device__ void run_chunk(Smem& s, int nkeys, const __nv_bfloat16* cache, const 
         // ... and for every thread, and every thread is done with iteration sub - 1, so its stage can be
         // refilled and s_part / P / alpha rewritten.
         __syncthreads();
-        const int next = sub + STAGES - 1;  // goes to stage (sub - 1) % STAGES
-        if (next < nsub) load_subtile(s, cache, next, nkeys, stage == 0 ? STAGES - 1 : stage - 1);
+        float acc[2][4];
+        scores(s, stage, qa, quarter, nt, lane, acc);
+        // Queued while the S mmas run. Goes to stage (sub - 1) % STAGES.
+        const int next = sub + STAGES - 1;
+        load_subtile(s, cache, next, nkeys, stage == 0 ? STAGES - 1 : stage - 1, next < nsub);
         cp_async_commit();
-        scores(s, stage, qa, quarter, mtile, nt, lane);
+        store_scores(s, acc, quarter, mtile, nt, lane);
         __syncthreads();
         softmax_step(s, sub, nkeys, scale_log2, row);
         __syncthreads();
