@@ -218,8 +218,8 @@ __device__ __forceinline__ void load_subtile(Smem& s, const __nv_bfloat16* cache
     const __nv_bfloat16* src = cache + (active && valid ? s.key_off[key] : 0);
 #pragma unroll
     for (int i = 0; i < (PIECES + LOAD_THREADS - 1) / LOAD_THREADS; ++i) {
-        const int piece = first + i * LOAD_THREADS;
-        cp_async16_if(active && piece < PIECES, &s.kv[stage][k][piece * 8], src + piece * 8, valid ? 16 : 0);
+        const int piece = first + i * LOAD_THREADS, p = min(piece, PIECES - 1);  // p: an address in the row
+        cp_async16_if(active && piece < PIECES, &s.kv[stage][k][p * 8], src + p * 8, valid ? 16 : 0);
     }
 }
 
