@@ -25,30 +25,31 @@
 //   arithmetic as a plain loop, one CTA per row.
 // Continuing a left fold from a stored state gives the bits of doing it in one place, and the row max
 // is exact in any order, so whether a launch folds, and which combine kernel runs (host choices by
-// launch size), never changes the bits. All modes run the same
-// process_chunk, whose per-row arithmetic does not depend on the other rows of the tile (mma computes
-// each output element from its own row) nor on where the keys come from (a key sits at the same
-// position of the chunk in every mode). So a tree row gives the bits of a decode over its compacted
-// sequence, and a request gives the same bits alone or in any batch.
+// launch size), never changes the bits. All modes run the same run_chunk, whose per-row arithmetic
+// does not depend on the other rows of the tile (mma computes each output element from its own row)
+// nor on where the keys come from (a key sits at the same position of the chunk in every mode). So a
+// tree row gives the bits of a decode over its compacted sequence, and a request gives the same bits
+// alone or in any batch.
 //
 // Grids are sized from the run's max_seq_len (a host-known bound on every row's sequence), not the
 // plan's; a row past it is flagged (STATUS_TOO_LONG) and gets o = 0, lse = -inf.
 //
 // Inside a chunk, a CTA of 8 warps takes a tile of 16 query rows (one mma M tile; see MT for why not two)
-// and streams the chunk's keys through shared memory in sub-tiles of BK = 16 keys, in a ring of STAGES =
-// 5 cp.async stages: while one sub-tile is used the next four (64 keys, 75 KB) are in flight, twice what
-// a ring of two 32-key stages keeps in about the same shared memory. A CTA with one sub-tile in flight
-// was bound by the loaded memory latency (about 3.4 us per 32 keys at bs 1, prefix 65536), not by the
-// bandwidth. An online softmax in base 2 runs with three barriers per sub-tile. S = Q.K^T uses
-// mma.m16n8k16 bf16 with Q in registers: each warp owns one dim quarter (144 dims) of the tile for one
-// key n-tile, accumulating the even and odd k-steps separately (two short dependent chains, then added),
-// and the four quarter partials are added in a fixed order through shared memory. P.V rounds P to bf16
-// as a hi + lo pair (two mmas), because a single bf16 P costs about 2e-3 relative error, the whole
-// tolerance; each warp owns 64 output dims, so each V fragment it loads feeds 4 * MT mmas. A row's
-// arithmetic is the same in every mode and tile position: the sub-tile borders sit at fixed keys of the
-// chunk, a row's softmax always runs on 16 threads of one key each (each thread keeps its share of the
-// row sum, added once per chunk by a fixed butterfly), and every other step is per row or per (row, key)
-// in a fixed order.
+// and streams the chunk's keys through shared memory in sub-tiles of BK = 32 (cp.async, two stages, so
+// the next sub-tile lands while this one is used), with an online softmax in base 2 and three barriers
+// per sub-tile. (A ring of five 16-key stages with four sub-tiles in flight, commit 51c4176, measured
+// 5-15% slower on the H200: the per-sub-tile chain S -> softmax -> P.V, not the loads' latency, bounds
+// a CTA, so the work here goes into shortening that chain.) S = Q.K^T uses mma.m16n8k16 bf16 with Q in registers: each warp
+// owns one dim quarter (144 dims) of the tile for two key n-tiles, accumulating the even and odd k-steps
+// of each separately (four interleaved chains of at most 5 dependent mmas, then added), and the four
+// quarter partials are added in a fixed order through shared memory (columns swizzled by s_col, so
+// conflict-free). P.V rounds P to bf16 as a hi + lo pair (two mmas), because a single bf16 P costs about
+// 2e-3 relative error, the whole tolerance; each warp owns 64 output dims, so each V fragment it loads
+// feeds 4 * MT mmas. A row's arithmetic is the same in every mode and tile position: the sub-tile
+// borders sit at fixed keys of the chunk, a row's softmax always runs on 16 threads of 2 keys (each
+// thread keeps its share of the row sum, added once per chunk by a fixed butterfly, so that no sum
+// butterfly sits in every sub-tile's softmax), and every other step is per row or per (row, key) in a
+// fixed order.
 #include "common.cuh"
 
 namespace kdt {
@@ -57,16 +58,18 @@ namespace mla {
 constexpr int LATENT = 512;
 constexpr int ROW = 576;             // elements of a query or cache row: [latent 512 | rope 64]
 constexpr int SPLIT = 256;           // visible rows per chunk (reference/README.md)
-constexpr int NT = 2;                // mma N tiles (8 keys each) of S per sub-tile
+constexpr int NT = 4;                // mma N tiles (8 keys each) of S per sub-tile
 constexpr int BK = 8 * NT;           // keys per shared-memory sub-tile
-constexpr int STAGES = 5;            // cp.async ring: STAGES - 1 sub-tiles in flight while one is used
+constexpr int STAGES = 2;            // cp.async ring: the next sub-tile lands while this one is used
+constexpr int S_NT = 2;              // S n-tiles per warp
 constexpr int KV_STRIDE = ROW + 8;   // 16 B of padding per row: ldmatrix rows fall in distinct banks
-constexpr int S_STRIDE = BK;         // S partial rows of 64 B, columns swizzled by s_col (no padding left)
-constexpr int P_STRIDE = BK + 8;     // P rows of 48 B: the 8 rows of an ldmatrix hit distinct banks
+constexpr int S_STRIDE = BK;         // S partial rows of 128 B, columns swizzled by s_col
+constexpr int P_STRIDE = BK + 8;     // P rows of 80 B: the 8 rows of an ldmatrix hit distinct banks
 constexpr int QUARTER = ROW / 4;     // dims per S partial sum
 constexpr int QUARTER_STEPS = QUARTER / 16;
 constexpr int PIECES = ROW * 2 / 16; // 16-byte cp.async pieces per row
-constexpr int ROW_THREADS = BK;      // softmax threads per query row, one key each
+constexpr int ROW_THREADS = 16;      // softmax threads per query row
+constexpr int ROW_KEYS = BK / ROW_THREADS;  // keys per softmax thread
 
 // mma M tiles (16 query rows each) per CTA, 8 warps per M tile. Two (512 threads, 32 rows) share
 // each staged key between twice the mmas, but at the 128 registers that 512 threads allow a CTA
@@ -79,7 +82,7 @@ constexpr int THREADS = 256 * MT;
 constexpr int WARPS = THREADS / 32;
 constexpr int WARP_DIMS = LATENT / WARPS;      // output dims per warp in P.V
 constexpr int PV_NT = WARP_DIMS / 8;           // their n-tiles
-static_assert(WARPS == 4 * MT * NT, "S: one warp per (dim quarter, m-tile, n-tile)");
+static_assert(WARPS == 4 * MT * (NT / S_NT), "S: one warp per (dim quarter, m-tile, S_NT n-tiles)");
 static_assert(PV_NT % 2 == 0, "P.V: V fragments come in pairs of n-tiles");
 static_assert(THREADS == BM * ROW_THREADS, "softmax: ROW_THREADS threads per row");
 static_assert(THREADS % BK == 0, "load_subtile: the same number of threads per key row");
@@ -98,8 +101,8 @@ constexpr float LN2 = 0.693147180559945309f;
 constexpr float LOG2E = 1.44269504088896341f;
 
 static_assert(QUARTER_STEPS == 9, "the S loop below issues four x4 and one x2 ldmatrix per quarter");
-static_assert(BK == 16, "P.V: one k-step of 16 keys per sub-tile; s_col swaps 8-key halves");
-static_assert(ROW_THREADS == 16, "softmax: a row's butterflies span 16 lanes of one warp");
+static_assert(BK == 32, "P.V: two k-steps of 16 keys per sub-tile; s_col permutes 8-key quarters");
+static_assert(ROW_KEYS == 2 && ROW_THREADS == 16, "softmax: one float2 of keys per thread, 16 threads per row");
 static_assert(SPLIT % BK == 0, "a chunk is whole sub-tiles, so sub-tile borders sit at the same keys in every mode");
 
 struct Smem {
@@ -113,10 +116,9 @@ struct Smem {
     long long key_off[SPLIT];                 // element offset of each key row of the chunk in the cache
 };
 
-// 99 KB is the most a block may take on sm_120; on sm_90 two blocks (plus 1 KB reserved each) fit the
-// SM's 228 KB. Five stages is the most that fits: a sixth takes 18.7 KB more.
+// 99 KB is the most a block may take on sm_120; on sm_90 two blocks fit an SM.
 static_assert(sizeof(Smem) <= 99 * 1024, "shared memory budget");
-static_assert(sizeof(Smem) == 101312, "mirrored by CHUNK_SHARED_BYTES in src/cuda/mla.rs");
+static_assert(sizeof(Smem) == 87744, "mirrored by CHUNK_SHARED_BYTES in src/cuda/mla.rs");
 
 // What one CTA computes: query rows [row0, row1) over chunk `chunk` of a sequence of `len` rows whose
 // first `prefix` are slots 0..prefix and whose rest are the tree rows set in `vis` (nullptr: none).
@@ -193,9 +195,11 @@ __device__ void build_key_list(Smem& s, const Task& t, const Pages& pg, int n_ro
     }
 }
 
-// Queues the cache rows of sub-tile `sub` into `stage`; keys past the chunk are zero-filled so that
-// their (zero) probabilities never meet stale or uninitialized values.
-__device__ __forceinline__ void load_subtile(Smem& s, const __nv_bfloat16* cache, int sub, int nkeys, int stage) {
+// Queues the cache rows of sub-tile `sub` into `stage` (nothing unless `active`); keys past the chunk
+// are zero-filled so that their (zero) probabilities never meet stale or uninitialized values.
+__device__ __forceinline__ void load_subtile(Smem& s, const __nv_bfloat16* cache, int sub, int nkeys, int stage,
+                                             bool active) {
+    if (!active) return;
     // LOAD_THREADS threads per key row: one key-offset lookup per thread, then consecutive pieces.
     constexpr int LOAD_THREADS = THREADS / BK;
     const int k = threadIdx.x / LOAD_THREADS, first = threadIdx.x % LOAD_THREADS;
@@ -223,37 +227,62 @@ __device__ __forceinline__ void load_q(uint32_t (&qa)[QUARTER_STEPS][4], const _
     }
 }
 
-// Column of key k in row r of an S partial: the two 8-key halves swap on rows 2, 3 (mod 4), so that both
-// the mma's float2 stores (rows g .. g + 3 in one phase) and the softmax's loads (two rows of 16 keys per
-// warp) hit 32 distinct banks.
-__device__ __forceinline__ int s_col(int r, int k) { return k ^ (((r >> 1) & 1) << 3); }
+// Column of key k in row r of an S partial: the four 8-key blocks of a row are permuted by r mod 4, so
+// that the mma's float2 stores (rows g .. g + 3 in one phase) hit 32 distinct banks, and the softmax's
+// float2 loads (one row of 32 keys per half-warp) still read the whole row at once.
+__device__ __forceinline__ int s_col(int r, int k) { return k ^ ((r & 3) << 3); }
 
-// S partial sum of one dim quarter over one m-tile and n-tile `nt`: the even and odd k-steps of the
-// quarter each chained in order in their own accumulator (two chains of 5 and 4 dependent mmas instead
-// of one of 9), then added; stored to s_part[quarter].
+// S partial sums of one dim quarter over one m-tile and S_NT n-tiles (from n-tile n0): for each n-tile
+// the even and odd k-steps of the quarter are chained in order in their own accumulator (chains of 5
+// and 4 dependent mmas instead of one of 9; the four chains interleave); store_scores adds them.
 __device__ __forceinline__ void scores(Smem& s, int stage, const uint32_t (&qa)[QUARTER_STEPS][4], int quarter,
-                                       int mtile, int nt, int lane) {
-    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    const __nv_bfloat16* base = &s.kv[stage][nt * 8 + (lane & 7)][quarter * QUARTER + 8 * (lane >> 3)];
-    // Every fragment is loaded first (the asm statements keep their order), so that the loads overlap.
-    // Each x4 holds two k-steps; the last step (dims 128..143 of the quarter) is an x2 (lanes 16..31
-    // give no address).
-    constexpr int PAIRS = QUARTER_STEPS / 2;
-    uint32_t b[PAIRS][4], last[2];
+                                       int n0, int lane, float (&acc)[S_NT][2][4]) {
 #pragma unroll
-    for (int j = 0; j < PAIRS; ++j) ldmatrix_x4(b[j], base + 32 * j);
-    ldmatrix_x2(last, base - 16 * (lane >> 4) + 16 * (QUARTER_STEPS - 1));
+    for (int nt = 0; nt < S_NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][0][i] = acc[nt][1][i] = 0.f;
+    const __nv_bfloat16* base = &s.kv[stage][n0 * 8 + (lane & 7)][quarter * QUARTER + 8 * (lane >> 3)];
+    // Each x4 holds two k-steps of one n-tile, loaded after the mmas of the pair before (whose chain
+    // step the next pair waits for anyway). The last step (dims 128..143 of the quarter) is an x2
+    // (lanes 16..31 give no address).
+    constexpr int PAIRS = QUARTER_STEPS / 2;
+    uint32_t b[S_NT][4];
+#pragma unroll
+    for (int nt = 0; nt < S_NT; ++nt) ldmatrix_x4(b[nt], base + nt * 8 * KV_STRIDE);
 #pragma unroll
     for (int j = 0; j < PAIRS; ++j) {
-        mma_bf16(acc[0], qa[2 * j], b[j][0], b[j][1]);
-        mma_bf16(acc[1], qa[2 * j + 1], b[j][2], b[j][3]);
+#pragma unroll
+        for (int nt = 0; nt < S_NT; ++nt) mma_bf16(acc[nt][0], qa[2 * j], b[nt][0], b[nt][1]);
+#pragma unroll
+        for (int nt = 0; nt < S_NT; ++nt) mma_bf16(acc[nt][1], qa[2 * j + 1], b[nt][2], b[nt][3]);
+#pragma unroll
+        for (int nt = 0; nt < S_NT; ++nt) {
+            if (j + 1 < PAIRS) {
+                ldmatrix_x4(b[nt], base + nt * 8 * KV_STRIDE + 32 * (j + 1));
+            } else {
+                uint32_t last[2];
+                ldmatrix_x2(last, base - 16 * (lane >> 4) + nt * 8 * KV_STRIDE + 16 * (QUARTER_STEPS - 1));
+                b[nt][0] = last[0];
+                b[nt][1] = last[1];
+            }
+        }
     }
-    mma_bf16(acc[0], qa[QUARTER_STEPS - 1], last[0], last[1]);
-    const int g = 16 * mtile + (lane >> 2), col = s_col(g, nt * 8 + 2 * (lane & 3));  // same for row g + 8
-    *reinterpret_cast<float2*>(&s.s_part[quarter][g][col]) =
-        make_float2(__fadd_rn(acc[0][0], acc[1][0]), __fadd_rn(acc[0][1], acc[1][1]));
-    *reinterpret_cast<float2*>(&s.s_part[quarter][g + 8][col]) =
-        make_float2(__fadd_rn(acc[0][2], acc[1][2]), __fadd_rn(acc[0][3], acc[1][3]));
+#pragma unroll
+    for (int nt = 0; nt < S_NT; ++nt) mma_bf16(acc[nt][0], qa[QUARTER_STEPS - 1], b[nt][0], b[nt][1]);
+}
+
+// Stores the S partials that `scores` accumulated to s_part[quarter].
+__device__ __forceinline__ void store_scores(Smem& s, const float (&acc)[S_NT][2][4], int quarter, int mtile,
+                                             int n0, int lane) {
+    const int g = 16 * mtile + (lane >> 2);
+#pragma unroll
+    for (int nt = 0; nt < S_NT; ++nt) {
+        const int col = s_col(g, (n0 + nt) * 8 + 2 * (lane & 3));  // the same for row g + 8
+        *reinterpret_cast<float2*>(&s.s_part[quarter][g][col]) =
+            make_float2(__fadd_rn(acc[nt][0][0], acc[nt][1][0]), __fadd_rn(acc[nt][0][1], acc[nt][1][1]));
+        *reinterpret_cast<float2*>(&s.s_part[quarter][g + 8][col]) =
+            make_float2(__fadd_rn(acc[nt][0][2], acc[nt][1][2]), __fadd_rn(acc[nt][0][3], acc[nt][1][3]));
+    }
 }
 
 // Running max / sum of one row in the ROW_THREADS threads that handle that row. The max is replicated;
@@ -273,51 +302,61 @@ __device__ __forceinline__ float row_sum(float share) {
     return share;
 }
 
-// Online softmax over sub-tile `sub`: thread (row, key); writes P (hi, lo) and the row's alpha. The max
-// butterfly gives every thread of a row the same max (each step is commutative).
+// Online softmax over sub-tile `sub`: thread (row, 2 consecutive keys); writes P (hi, lo) and the row's
+// alpha. The max butterfly gives every thread of a row the same max (each step is commutative).
 __device__ __forceinline__ void softmax_step(Smem& s, int sub, int nkeys, float scale_log2, RowState& st) {
-    const int row = threadIdx.x / ROW_THREADS, k = threadIdx.x % ROW_THREADS, col = s_col(row, k);
-    const float acc = __fadd_rn(__fadd_rn(__fadd_rn(s.s_part[0][row][col], s.s_part[1][row][col]), s.s_part[2][row][col]),
-                                s.s_part[3][row][col]);
-    const float x = sub * BK + k < nkeys ? __fmul_rn(acc, scale_log2) : -INFINITY;
-    float mx = x;
+    const int row = threadIdx.x / ROW_THREADS, k0 = (threadIdx.x % ROW_THREADS) * ROW_KEYS, col = s_col(row, k0);
+    float2 part[4];
+#pragma unroll
+    for (int qr = 0; qr < 4; ++qr) part[qr] = *reinterpret_cast<const float2*>(&s.s_part[qr][row][col]);
+    const float acc[ROW_KEYS] = {
+        __fadd_rn(__fadd_rn(__fadd_rn(part[0].x, part[1].x), part[2].x), part[3].x),
+        __fadd_rn(__fadd_rn(__fadd_rn(part[0].y, part[1].y), part[2].y), part[3].y)};
+    const int key0 = sub * BK + k0;
+    float x[ROW_KEYS];
+#pragma unroll
+    for (int j = 0; j < ROW_KEYS; ++j) x[j] = key0 + j < nkeys ? __fmul_rn(acc[j], scale_log2) : -INFINITY;
+    float mx = fmaxf(x[0], x[1]);
 #pragma unroll
     for (int o = ROW_THREADS / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
     // A sub-tile holds at least one valid key, so m_new is finite and the padding keys get p = 0.
     const float m_new = fmaxf(st.m, mx);
-    const float p = ex2(__fsub_rn(x, m_new));
+    const float p0 = ex2(__fsub_rn(x[0], m_new)), p1 = ex2(__fsub_rn(x[1], m_new));
     const float alpha = ex2(__fsub_rn(st.m, m_new));
-    st.l = __fmaf_rn(st.l, alpha, p);
+    st.l = __fmaf_rn(st.l, alpha, __fadd_rn(p0, p1));
     st.m = m_new;
-    const __nv_bfloat16 hi = __float2bfloat16_rn(p);
-    s.p_hi[row][k] = hi;
-    s.p_lo[row][k] = __float2bfloat16_rn(__fsub_rn(p, __bfloat162float(hi)));
-    if (k == 0) s.alpha[row] = alpha;
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(p0, p1);
+    const float2 h = __bfloat1622float2(hi);
+    *reinterpret_cast<__nv_bfloat162*>(&s.p_hi[row][k0]) = hi;
+    *reinterpret_cast<__nv_bfloat162*>(&s.p_lo[row][k0]) =
+        __floats2bfloat162_rn(__fsub_rn(p0, h.x), __fsub_rn(p1, h.y));
+    if (k0 == 0) s.alpha[row] = alpha;
 }
 
-// O = O * alpha + P_hi.V + P_lo.V over the sub-tile's k-step of 16 keys (in that order for every
+// O = O * alpha + P_hi.V + P_lo.V over the sub-tile's two k-steps of 16 keys (in that order for every
 // element) for every m-tile and this warp's WARP_DIMS output dims: each V fragment feeds 4 * MT mmas.
 __device__ __forceinline__ void accumulate_pv(Smem& s, int stage, float (&o)[MT][PV_NT][4], int warp, int lane) {
-    constexpr int PAIRS = PV_NT / 2;
+    constexpr int KS = BK / 16, PAIRS = PV_NT / 2;
     const int g = lane >> 2;
     // Every fragment of the sub-tile is loaded first (the asm statements keep their order), so that the
     // loads overlap each other and the rescale below instead of each waiting in front of its mmas.
-    uint32_t ph[MT][4], pl[MT][4], v[PAIRS][4];
+    uint32_t ph[KS][MT][4], pl[KS][MT][4], v[KS][PAIRS][4];
     const int vkey = (lane & 7) + 8 * ((lane >> 3) & 1);
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        ldmatrix_x4(ph[mt], &s.p_hi[16 * mt + (lane & 15)][8 * (lane >> 4)]);
-        ldmatrix_x4(pl[mt], &s.p_lo[16 * mt + (lane & 15)][8 * (lane >> 4)]);
-    }
+    for (int ks = 0; ks < KS; ++ks) {
 #pragma unroll
-    for (int pair = 0; pair < PAIRS; ++pair)
-        ldmatrix_x4_trans(v[pair], &s.kv[stage][vkey][warp * WARP_DIMS + pair * 16 + 8 * (lane >> 4)]);
+        for (int mt = 0; mt < MT; ++mt) {
+            ldmatrix_x4(ph[ks][mt], &s.p_hi[16 * mt + (lane & 15)][16 * ks + 8 * (lane >> 4)]);
+            ldmatrix_x4(pl[ks][mt], &s.p_lo[16 * mt + (lane & 15)][16 * ks + 8 * (lane >> 4)]);
+        }
+#pragma unroll
+        for (int pair = 0; pair < PAIRS; ++pair)
+            ldmatrix_x4_trans(v[ks][pair],
+                              &s.kv[stage][16 * ks + vkey][warp * WARP_DIMS + pair * 16 + 8 * (lane >> 4)]);
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         const float a0 = s.alpha[16 * mt + g], a1 = s.alpha[16 * mt + g + 8];
-        // Once a row's max settles its alpha is 1, and x * 1 is x: skipping the rescale when it is 1 for
-        // all 16 rows of the m-tile (a warp-uniform vote) leaves the same bits.
-        if (__all_sync(0xFFFFFFFFu, a0 == 1.f && a1 == 1.f)) continue;
 #pragma unroll
         for (int nt = 0; nt < PV_NT; ++nt) {
             o[mt][nt][0] = __fmul_rn(o[mt][nt][0], a0);
@@ -327,13 +366,16 @@ __device__ __forceinline__ void accumulate_pv(Smem& s, int stage, float (&o)[MT]
         }
     }
 #pragma unroll
-    for (int pair = 0; pair < PAIRS; ++pair) {
+    for (int ks = 0; ks < KS; ++ks) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            mma_bf16(o[mt][2 * pair], ph[mt], v[pair][0], v[pair][1]);
-            mma_bf16(o[mt][2 * pair + 1], ph[mt], v[pair][2], v[pair][3]);
-            mma_bf16(o[mt][2 * pair], pl[mt], v[pair][0], v[pair][1]);
-            mma_bf16(o[mt][2 * pair + 1], pl[mt], v[pair][2], v[pair][3]);
+        for (int pair = 0; pair < PAIRS; ++pair) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_bf16(o[mt][2 * pair], ph[ks][mt], v[ks][pair][0], v[ks][pair][1]);
+                mma_bf16(o[mt][2 * pair + 1], ph[ks][mt], v[ks][pair][2], v[ks][pair][3]);
+                mma_bf16(o[mt][2 * pair], pl[ks][mt], v[ks][pair][0], v[ks][pair][1]);
+                mma_bf16(o[mt][2 * pair + 1], pl[ks][mt], v[ks][pair][2], v[ks][pair][3]);
+            }
         }
     }
 }
@@ -375,7 +417,7 @@ __device__ __forceinline__ void fold_partial(Smem& s, const Task& t, const float
         s.fold_a[threadIdx.x / ROW_THREADS] = a;
         s.fold_b[threadIdx.x / ROW_THREADS] = b;
     }
-    __syncthreads();  // fold factors visible; every thread is also done with the chunk's shared memory
+    __syncthreads();  // fold factors visible
     const int g = lane >> 2;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -397,35 +439,44 @@ __device__ __forceinline__ void fold_partial(Smem& s, const Task& t, const float
     }
 }
 
-// The one routine that computes a chunk for a tile of query rows sharing its key list: leaves the
+// Starts chunk t.chunk for a tile of query rows sharing its key list: builds the key list and queues
+// the first STAGES - 1 sub-tiles (one cp.async group each, sub-tile j in stage j). Returns the chunk's
+// key count. The barrier after the key list also waits until every thread is done with the previous
+// chunk's stages (each thread's last read of key_off precedes its last run_chunk barrier), so this may
+// run as soon as run_chunk returns, ahead of fold_partial, and the chunk's first loads fly meanwhile.
+__device__ int begin_chunk(Smem& s, const Task& t, const Pages& pg, int n_rows, const __nv_bfloat16* cache,
+                           int* status) {
+    const int nkeys = min(SPLIT, t.len - t.chunk * SPLIT);
+    build_key_list(s, t, pg, n_rows, nkeys, status);
+    __syncthreads();  // key_off is complete
+    const int nsub = (nkeys + BK - 1) / BK;
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        load_subtile(s, cache, st, nkeys, st, st < nsub);
+        cp_async_commit();
+    }
+    return nkeys;
+}
+
+// The one routine that computes a chunk (begun by begin_chunk) for a tile of query rows: leaves the
 // unnormalized output in o and the rows' (max, sum) in row (the sum replicated). Three barriers per
 // sub-tile of BK keys: the sub-tile has landed (and the previous one's stage is released), the S
 // partials are complete, P is complete. Sub-tile `sub` lives in stage sub % STAGES; the stage refilled
 // at iteration sub is that of sub - 1, which every warp has finished reading at the first barrier.
-__device__ void process_chunk(Smem& s, const Task& t, const Pages& pg, int n_rows, const __nv_bfloat16* q,
-                              const __nv_bfloat16* cache, float scale, float (&o)[MT][PV_NT][4], RowState& row,
-                              int* status) {
+// The Q fragments are loaded here for every chunk (L1 / L2 hits after the first), so that they hold no
+// registers across the chunk kernel's fold.
+__device__ void run_chunk(Smem& s, const Task& t, int nkeys, const __nv_bfloat16* q, const __nv_bfloat16* cache,
+                          float scale_log2, float (&o)[MT][PV_NT][4], RowState& row) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // S: warp = (quarter, m-tile, n-tile); the Q fragments of its quarter and m-tile stay in registers.
-    const int quarter = warp / (WARPS / 4), mtile = warp / NT % MT, nt = warp % NT;
-    const int nkeys = min(SPLIT, t.len - t.chunk * SPLIT);
-    build_key_list(s, t, pg, n_rows, nkeys, status);
+    // S: warp = (quarter, m-tile, n-group); the Q fragments of its quarter and m-tile stay in registers.
+    const int quarter = warp / (WARPS / 4), mtile = warp / (NT / S_NT) % MT, n0 = warp % (NT / S_NT) * S_NT;
     uint32_t qa[QUARTER_STEPS][4];
     load_q(qa, q, t, quarter, 16 * mtile + (lane >> 2), lane & 3);
-    const float scale_log2 = __fmul_rn(scale, LOG2E);
-    __syncthreads();  // key_off is complete
-
     const int nsub = (nkeys + BK - 1) / BK;
-    // Not unrolled: four inlined copies of load_subtile push the kernel past its 128 registers.
-#pragma unroll 1
-    for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < nsub) load_subtile(s, cache, st, nkeys, st);
-        cp_async_commit();
-    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < PV_NT; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.f;
+        for (int n = 0; n < PV_NT; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
     row = RowState{-INFINITY, 0.f};
     for (int sub = 0, stage = 0; sub < nsub; ++sub) {
         // At most STAGES - 2 groups pending: sub-tile `sub` (group `sub`) has landed for this thread.
@@ -433,10 +484,13 @@ __device__ void process_chunk(Smem& s, const Task& t, const Pages& pg, int n_row
         // ... and for every thread, and every thread is done with iteration sub - 1, so its stage can be
         // refilled and s_part / P / alpha rewritten.
         __syncthreads();
+        // Queued first: with two stages the next sub-tile has only this iteration to land.
         const int next = sub + STAGES - 1;  // goes to stage (sub - 1) % STAGES
-        if (next < nsub) load_subtile(s, cache, next, nkeys, stage == 0 ? STAGES - 1 : stage - 1);
+        load_subtile(s, cache, next, nkeys, stage == 0 ? STAGES - 1 : stage - 1, next < nsub);
         cp_async_commit();
-        scores(s, stage, qa, quarter, mtile, nt, lane);
+        float acc[S_NT][2][4];
+        scores(s, stage, qa, quarter, n0, lane, acc);
+        store_scores(s, acc, quarter, mtile, n0, lane);
         __syncthreads();
         softmax_step(s, sub, nkeys, scale_log2, row);
         __syncthreads();
@@ -559,21 +613,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)
     t.row0 += blockIdx.x * BM;
     const Pages pg{block_table + (long long)request * pages_per_req, pages_per_req, page_size, num_pages};
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float scale_log2 = __fmul_rn(scale, LOG2E);
+    int nkeys = begin_chunk(s, t, pg, n_rows, cache, status);
     float o[MT][PV_NT][4];
     RowState row;
     if (!folding) {
-        process_chunk(s, t, pg, n_rows, q, cache, scale, o, row, status);
+        run_chunk(s, t, nkeys, q, cache, scale_log2, o, row);
         store_partial(t, o, row, warp, lane, max_chunks, part_o, part_ml);
         return;
     }
     // The group's chunks in order, each folded into the group state exactly as mla_combine would fold
-    // their partials (fold_ml / fold_o from the initial state, in chunk order).
+    // their partials (fold_ml / fold_o from the initial state, in chunk order). The next chunk is begun
+    // before the fold, so that its first sub-tiles load while the group state is read back and written.
     const int chunks = (t.len + SPLIT - 1) / SPLIT;
     const int last = min(min(first + FOLD, chunks), max_chunks);
     RowState group{-INFINITY, 0.f};
     for (int c = first; c < last; ++c) {
-        t.chunk = c;
-        process_chunk(s, t, pg, n_rows, q, cache, scale, o, row, status);
+        run_chunk(s, t, nkeys, q, cache, scale_log2, o, row);
+        if (c + 1 < last) {
+            t.chunk = c + 1;
+            nkeys = begin_chunk(s, t, pg, n_rows, cache, status);
+        }
         fold_partial(s, t, o, row, group, c == first, first, warp, lane, max_chunks, part_o);
     }
     const int r = t.row0 + threadIdx.x / ROW_THREADS;

@@ -48,22 +48,20 @@ const TAIL_CHUNKS: u32 = 2;
 /// Largest N (tree rows per request) `tree_verify` takes: budget 256 plus the root.
 pub const MAX_TREE_ROWS: usize = SPLIT + 1;
 
-/// Dynamic shared memory of `mla_chunk` (kernels/mla.cu `struct Smem`): 5 stages of 16 padded key
-/// rows, the four S partial tiles (16 rows of 16 floats), P as bf16 hi and lo (16 rows of 24), the
-/// rescale and fold factors and the chunk's key offsets: 101312 bytes, two CTAs per H200 SM (228 KB) and
-/// under the 99 KB a block may take on sm_120.
+/// Dynamic shared memory of `mla_chunk` (kernels/mla.cu `struct Smem`): 2 stages of 32 padded key
+/// rows, the four S partial tiles (16 rows of 32 floats), P as bf16 hi and lo (16 rows of 40), the
+/// rescale and fold factors and the chunk's key offsets: 87744 bytes, two CTAs per H200 SM and under the
+/// 99 KB a block may take on sm_120.
 pub(crate) const CHUNK_SHARED_BYTES: usize =
-    5 * 16 * (ROW + 8) * 2 + 4 * 16 * 16 * 4 + 2 * 16 * 24 * 2 + 3 * 16 * 4 + SPLIT * 8;
+    2 * 32 * (ROW + 8) * 2 + 4 * 16 * 32 * 4 + 2 * 16 * 40 * 2 + 3 * 16 * 4 + SPLIT * 8;
 /// Chunks per fold group (kernels/mla.cu FOLD).
 const FOLD: usize = 4;
 /// `mla_chunk` CTAs resident at once on an H200: 132 SMs, two CTAs each (launch bounds and shared memory).
 const CHUNK_SLOTS: usize = 264;
 /// Cost of a last, partial wave of chunk CTAs, in chunk times of a full wave, however few CTAs it has:
-/// one CTA alone took about 15 µs (the latency chain of its 8 sub-tiles of 32 keys, one in flight at a
-/// time) against about 21.7 µs per chunk in a full, memory-bound wave (H8 bs 64 prefix 65536: 16384
-/// chunks in 1.35 ms). Measured with the previous two-stage ring (session 9); the five-stage ring keeps
-/// four sub-tiles in flight, which should lower the lone CTA's time, so this is an upper bound until
-/// re-measured.
+/// one CTA alone takes about 15 µs (the latency chain of its 8 sub-tiles) against about 21.7 µs per chunk
+/// in a full, memory-bound wave (H8 bs 64 prefix 65536: 16384 chunks in 1.35 ms). Measured in session 9;
+/// the shorter per-sub-tile chain since then should lower the lone CTA's time, so re-measure.
 const PARTIAL_WAVE: f64 = 0.7;
 /// Cache bytes a chunk reads: [`SPLIT`] rows of 576 bf16.
 const CHUNK_BYTES: usize = SPLIT * ROW * 2;
