@@ -358,19 +358,6 @@ __device__ __forceinline__ uint4 load_act(const uint4* x, int g, int groups) {
     return g < groups ? __ldg(x + g * (GROUP / 8)) : make_uint4(0, 0, 0, 0);
 }
 
-// Brings the lane's activations of chunk `chunk` (if it is below `c_end`) into L1, so that the register
-// load one chunk ahead finds them there: with the weights already staged (the down GEMM's first blocks
-// find them landed after the wait) an L2 latency per chunk would stall the warp. Like every activation
-// read it must follow griddepcontrol.wait, or L1 could keep a line from before the previous kernel wrote.
-__device__ __forceinline__ void prefetch_act(const uint4* x, int chunk, int c_end, int groups) {
-    if (chunk >= c_end) return;
-#pragma unroll
-    for (int j = 0; j < CHUNK_GROUPS; ++j) {
-        const int g = chunk * CHUNK_GROUPS + j;
-        if (g < groups) asm volatile("prefetch.global.L1 [%0];\n" ::"l"(x + g * (GROUP / 8)));
-    }
-}
-
 // Multiplies one staged chunk (groups g0 .. g0 + 3) of MT m16 tiles with NT n8 tiles. With one n8 tile
 // the activations come prefetched in `xp`; with more they are loaded here, one group at a time, so they
 // do not all occupy registers at once.
@@ -448,15 +435,13 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     for (int s = 0; s < STAGES; ++s) issue(s, c_begin + s < c_end);
     pdl_wait();
     pdl_launch_dependents();
-    // One n8 tile: the activations of the next chunk load into registers while this one computes, and
-    // those of the chunk after it into L1 (more n8 tiles load theirs inside chunk_mma).
-    if (NT == 1) prefetch_act(act[0], c_begin + 2, c_end, groups);
+    // One n8 tile: the activations of the next chunk load while this one computes (more n8 tiles load
+    // theirs inside chunk_mma).
     uint4 x[CHUNK_GROUPS];
 #pragma unroll
     for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = NT == 1 ? load_act(act[0], c_begin * CHUNK_GROUPS + j, groups) : uint4{};
     int use = 0;  // the stage of `chunk`
     for (int chunk = c_begin; chunk < c_end; ++chunk) {
-        if (NT == 1) prefetch_act(act[0], chunk + 3, c_end, groups);
         uint4 x_next[CHUNK_GROUPS];
 #pragma unroll
         for (int j = 0; j < CHUNK_GROUPS; ++j)
