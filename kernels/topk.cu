@@ -346,10 +346,13 @@ struct SmemKeys {
 // that ties in value cost one or two rounds on the index rather than four. hist: three 256-bin
 // histograms used in turn, the first zero on entry; each round zeroes the next one, which nobody reads
 // any more, so one barrier a round suffices. Keys above hi (only in rows with NaN, which are reported as
-// errors) can end the search early; the caller then caps what it writes.
+// errors) can end the search early; the caller then caps what it writes. With shared_pick, warp 0 alone
+// picks each digit and shares it there, a second barrier a round in place of every other warp's pick
+// (about a hundred instructions); the slot is written again only after the next round's first barrier,
+// which every reader of the last pick has reached.
 template <int NT, int ITEMS, typename Keys>
 __device__ u64 block_radix_kth(const Keys& keys, unsigned int k, u64 lo, u64 hi, u64 same_mask, u64 same_bits,
-                               unsigned int (*hist)[256]) {
+                               unsigned int (*hist)[256], DigitPick* shared_pick = nullptr) {
     int shift = lo == hi ? 0 : max(top_bit(lo ^ hi) - 7, 0);
     int fixed = shift + 8;  // bits at and above are those of t; the last digit may overlap them
     u64 t = fixed >= 64 ? 0ull : (lo >> fixed) << fixed;
@@ -363,7 +366,17 @@ __device__ u64 block_radix_kth(const Keys& keys, unsigned int k, u64 lo, u64 hi,
         }
         if (threadIdx.x < 256) hist[(round + 1) % 3][threadIdx.x] = 0;
         __syncthreads();
-        const DigitPick p = pick_digit(h, need);
+        DigitPick p;
+        if (shared_pick == nullptr) {
+            p = pick_digit(h, need);
+        } else {
+            if (threadIdx.x < 32) {
+                const DigitPick q = pick_digit(h, need);
+                if (threadIdx.x == 0) *shared_pick = q;
+            }
+            __syncthreads();
+            p = *shared_pick;
+        }
         if (!p.found) return t;
         t |= (u64)p.digit << shift;
         need -= p.above;
@@ -502,6 +515,7 @@ struct ChunkSmem {
     unsigned int warp_count[2][CHUNK_WARPS];
     unsigned int count, taken;
     u64 kth;
+    DigitPick pick;  // block_radix_kth's shared pick
     alignas(16) u64 cand[CAP];
     // The stash is done with when a CTA merges its row, so the merge's buffers share its space.
     union {
@@ -605,9 +619,9 @@ __device__ void merge_row(const u64* cand, const float* chunk_max, const u64* ch
         constexpr int HALF = ITEMS / 2;
         const u64 t = n <= (unsigned)(HALF * CHUNK_THREADS)
                           ? block_radix_kth<CHUNK_THREADS, HALF>(SmemKeys<CHUNK_THREADS, HALF>{sm.cand, n}, k, lo, hi,
-                                                                 same_mask, same_bits, sm.select_hist)
+                                                                 same_mask, same_bits, sm.select_hist, &sm.pick)
                           : block_radix_kth<CHUNK_THREADS, ITEMS>(SmemKeys<CHUNK_THREADS, ITEMS>{sm.cand, n}, k, lo,
-                                                                  hi, same_mask, same_bits, sm.select_hist);
+                                                                  hi, same_mask, same_bits, sm.select_hist, &sm.pick);
         for (unsigned int i = tid; i < n; i += CHUNK_THREADS) {
             const u64 y = sm.cand[i];
             if (y >= t) {
@@ -903,9 +917,9 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
         constexpr int FEW = 2, ALL = CAP / CHUNK_THREADS;
         kth = n <= (unsigned)(FEW * CHUNK_THREADS)
                   ? block_radix_kth<CHUNK_THREADS, FEW>(SmemKeys<CHUNK_THREADS, FEW>{sm.cand, n}, k, lo64, hi64,
-                                                        same_mask, same_bits, sm.select_hist)
+                                                        same_mask, same_bits, sm.select_hist, &sm.pick)
                   : block_radix_kth<CHUNK_THREADS, ALL>(SmemKeys<CHUNK_THREADS, ALL>{sm.cand, n}, k, lo64, hi64,
-                                                        same_mask, same_bits, sm.select_hist);
+                                                        same_mask, same_bits, sm.select_hist, &sm.pick);
         for (unsigned int i = tid; i < n; i += CHUNK_THREADS) {
             const u64 x = sm.cand[i];
             if (x >= kth) {
