@@ -939,17 +939,18 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
     }
     if (!fuse) return;
     // Count this chunk in, the pattern of a grid barrier: after the CTA's barrier, one thread's fence
-    // makes every thread's writes of the chunk results visible device-wide before the count; the CTA that
-    // brings the count to `chunks` merges the row, after a second fence so that it sees every other chunk's
-    // results, and resets the count for the next launch (every chunk has counted by then).
+    // makes every thread's writes of the chunk results visible device-wide before the count (release); the
+    // CTA that brings the count to `chunks` merges the row, after a second fence so that it sees every
+    // other chunk's results (acquire), and resets the count for the next launch (every chunk has counted by
+    // then). fence.acq_rel suffices for both patterns; __threadfence would be the heavier fence.sc.
     __syncthreads();
     if (tid == 0) {
-        __threadfence();
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
         const unsigned int before = atomicAdd(&arrivals[row], 1u);
         const bool last = before == (unsigned)chunks - 1;
         if (last) {
             arrivals[row] = 0;
-            __threadfence();
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
         }
         sm.last = last;
     }
