@@ -108,11 +108,14 @@ mod gpu {
         let Some(gpu) = gpu() else { return };
         let (bs, l, v) = (2, 15, 163_840);
         let x: Vec<bf16> = tie_heavy_logits(7, bs * l * v).into_iter().map(bf16::from_f32).collect();
-        let a = gpu.topk_logsumexp(Logits::Bf16(&x), bs, l, v, 256).unwrap();
-        let b = gpu.topk_logsumexp(Logits::Bf16(&x), bs, l, v, 256).unwrap();
-        assert_eq!(a, b);
-        let cpu = topk_logsumexp(Logits::Bf16(&x), bs, l, v, 256).unwrap();
-        check_same(&cpu, &a);
+        // K 64 merges inside the chunk kernel, K 256 in the merge kernel.
+        for k in [64, 256] {
+            let a = gpu.topk_logsumexp(Logits::Bf16(&x), bs, l, v, k).unwrap();
+            let b = gpu.topk_logsumexp(Logits::Bf16(&x), bs, l, v, k).unwrap();
+            assert_eq!(a, b);
+            let cpu = topk_logsumexp(Logits::Bf16(&x), bs, l, v, k).unwrap();
+            check_same(&cpu, &a);
+        }
     }
 
     /// Distinct-valued logits (sums of two uniforms, as in the bench), so that a chunk's candidates are
