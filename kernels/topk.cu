@@ -1,19 +1,22 @@
 // Top-K with logsumexp over the vocabulary (DESIGN.md §4.1 step 1; exact contract in reference/README.md).
 //
-// Two launches. topk_chunk: one CTA of 256 threads per (chunk of 8192 logits, row) reads its chunk once
+// topk_chunk: one CTA of 256 threads per (chunk of 8192 logits, row) reads its chunk once
 // and keeps it in registers (32 values a thread, loaded as 16-byte vectors). Most of the work is each
 // value's exact fixed-point exp term (about 23 instructions); the selection is kept to a few instructions
 // a value. The maxima of the chunk's 512 groups of 16 values give, by a one- or two-round histogram of
 // their order keys, a bound at or below the chunk's K-th value (K group maxima reach it); only groups whose
 // max reaches the bound look at their values (a bit mask a group), and the few values that pass (about K
-// to 1.4K on random logits) are placed in shared memory by a warp scan. Up to 256 of them are ranked by
-// counting (one thread a candidate); more go through an 8-bit radix select (one barrier a round); either
-// finds the exact K best composite keys (value descending, index ascending). Chunks with more than CAP
-// values at the bound (many equal logits) select over the whole chunk instead. The chunk writes its
-// max, exp-sum and K best keys (unordered). topk_merge: one CTA per row selects the K best of the chunks'
-// candidates with the same radix select (over all of them in registers when they are too many for
-// shared memory, else over those gathered at or above the best chunk K-th key), ranks them and combines
-// the chunk sums into the row's lse.
+// to 1.4K on random logits) are placed in shared memory by a warp scan. Up to 64 of them are ranked by
+// counting (one thread a candidate), up to 256 go through one warp's 8-bit radix select, more through the
+// CTA's (one barrier a round); each finds the exact K best composite keys (value descending, index
+// ascending). Chunks with more than CAP values at the bound (many equal logits) select over the whole
+// chunk instead. The chunk writes its max, exp-sum and K best keys (unordered).
+// The merge selects the K best of a row's chunk candidates with the same radix select, ranks them and
+// combines the chunk sums into the row's lse. Rows of at most CAP chunk candidates (chunks * K) are
+// merged inside topk_chunk by the last CTA of the row to finish (a per-row arrival count), while other
+// rows' chunks still stream; larger rows by a second launch, topk_merge: one CTA per row, selecting over
+// all candidates in registers when they are too many for shared memory, else over those gathered at or
+// above the best chunk K-th key.
 #include "common.cuh"
 
 namespace kdt {
@@ -35,12 +38,17 @@ constexpr int MERGE_SLOTS = MERGE_ITEMS * THREADS;
 constexpr int MAX_K = 512;
 constexpr int MAX_CHUNKS = 64;  // V < 2^19 (reference/README.md)
 constexpr int CAP = 2048;  // candidates kept in shared memory; more take a slower path
-constexpr int RANK_MAX = CHUNK_THREADS;  // up to this many chunk candidates are ranked by counting, more by radix
+// Up to RANK_MAX chunk candidates are ranked by counting (n^2 compares, cheapest for few), up to
+// WARP_SELECT_MAX by one warp's radix select, more by the whole CTA's.
+constexpr int RANK_MAX = 64;
+constexpr int WARP_ITEMS = 8;
+constexpr int WARP_SELECT_MAX = 32 * WARP_ITEMS;
 constexpr uint32_t NEG_INF_KEY = 0x007FFFFFu;  // order_key(-inf)
 constexpr unsigned FULL_MASK = 0xFFFFFFFFu;
 static_assert(GROUPS >= MAX_K, "K group maxima must exist for the chunk bound");
 static_assert(CAP >= MAX_K, "the slow path assumes more than K candidates");
 static_assert(RANK_MAX <= CHUNK_THREADS, "one ranked candidate a thread");
+static_assert(WARP_SELECT_MAX <= CAP && RANK_MAX < WARP_SELECT_MAX, "the warp select takes the next counts");
 static_assert(CHUNK_ITEMS % GROUP_ITEMS == 0 && GROUP_ITEMS % 8 == 0, "groups are whole 16-byte vectors");
 static_assert(GROUP_ITEMS % 4 == 0 && GROUP_ITEMS <= 32, "a group is whole float4 and fits a bit mask");
 
@@ -197,6 +205,20 @@ __device__ __forceinline__ unsigned int sub_if_less(unsigned int acc, u64 x, u64
     return r;
 }
 
+// The number of keys of list[0, n) larger than x (list 16-byte aligned): two keys a 16-byte load and
+// three instructions a compare.
+__device__ __forceinline__ unsigned int count_larger(u64 x, const u64* list, unsigned int n) {
+    const ulonglong2* pairs = reinterpret_cast<const ulonglong2*>(list);
+    unsigned int neg_rank = 0;  // minus the number of larger keys
+    for (unsigned int j = 0; j < n / 2; ++j) {
+        const ulonglong2 y = pairs[j];
+        neg_rank = sub_if_less(neg_rank, x, y.x);
+        neg_rank = sub_if_less(neg_rank, x, y.y);
+    }
+    if (n & 1) neg_rank = sub_if_less(neg_rank, x, list[n - 1]);
+    return 0u - neg_rank;
+}
+
 // max that returns NaN when either input is NaN (fmaxf would hide it), so NaN logits reach the status.
 __device__ __forceinline__ float max_nan(float a, float b) {
     float r;
@@ -324,10 +346,13 @@ struct SmemKeys {
 // that ties in value cost one or two rounds on the index rather than four. hist: three 256-bin
 // histograms used in turn, the first zero on entry; each round zeroes the next one, which nobody reads
 // any more, so one barrier a round suffices. Keys above hi (only in rows with NaN, which are reported as
-// errors) can end the search early; the caller then caps what it writes.
+// errors) can end the search early; the caller then caps what it writes. With shared_pick, warp 0 alone
+// picks each digit and shares it there, a second barrier a round in place of every other warp's pick
+// (about a hundred instructions); the slot is written again only after the next round's first barrier,
+// which every reader of the last pick has reached.
 template <int NT, int ITEMS, typename Keys>
 __device__ u64 block_radix_kth(const Keys& keys, unsigned int k, u64 lo, u64 hi, u64 same_mask, u64 same_bits,
-                               unsigned int (*hist)[256]) {
+                               unsigned int (*hist)[256], DigitPick* shared_pick = nullptr) {
     int shift = lo == hi ? 0 : max(top_bit(lo ^ hi) - 7, 0);
     int fixed = shift + 8;  // bits at and above are those of t; the last digit may overlap them
     u64 t = fixed >= 64 ? 0ull : (lo >> fixed) << fixed;
@@ -341,7 +366,17 @@ __device__ u64 block_radix_kth(const Keys& keys, unsigned int k, u64 lo, u64 hi,
         }
         if (threadIdx.x < 256) hist[(round + 1) % 3][threadIdx.x] = 0;
         __syncthreads();
-        const DigitPick p = pick_digit(h, need);
+        DigitPick p;
+        if (shared_pick == nullptr) {
+            p = pick_digit(h, need);
+        } else {
+            if (threadIdx.x < 32) {
+                const DigitPick q = pick_digit(h, need);
+                if (threadIdx.x == 0) *shared_pick = q;
+            }
+            __syncthreads();
+            p = *shared_pick;
+        }
         if (!p.found) return t;
         t |= (u64)p.digit << shift;
         need -= p.above;
@@ -357,11 +392,81 @@ __device__ u64 block_radix_kth(const Keys& keys, unsigned int k, u64 lo, u64 hi,
     }
 }
 
+// block_radix_kth within one warp: the keys are its lanes' (0 for none), and it uses two 256-bin histograms
+// in turn, hist[0] zero on entry. Each round zeroes the other histogram, which the previous round's pick
+// read; the __syncwarp at a round's start orders that pick's reads before the zeroing.
+template <int ITEMS>
+__device__ u64 warp_radix_kth(const u64 (&keys)[ITEMS], unsigned int k, u64 lo, u64 hi, u64 same_mask,
+                              u64 same_bits, unsigned int (*hist)[256]) {
+    const int lane = threadIdx.x & 31;
+    int shift = lo == hi ? 0 : max(top_bit(lo ^ hi) - 7, 0);
+    int fixed = shift + 8;  // bits at and above are those of t; the last digit may overlap them
+    u64 t = fixed >= 64 ? 0ull : (lo >> fixed) << fixed;
+    unsigned int need = k;
+    for (int round = 0;; ++round) {
+        unsigned int* h = hist[round & 1];
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            const u64 x = keys[i];
+            if (x != 0 && x >= lo && shr64(x, fixed) == shr64(t, fixed)) atomicAdd(&h[(x >> shift) & 255], 1u);
+        }
+        uint4* other = reinterpret_cast<uint4*>(hist[(round + 1) & 1]);
+        other[2 * lane] = make_uint4(0, 0, 0, 0);
+        other[2 * lane + 1] = make_uint4(0, 0, 0, 0);
+        __syncwarp();
+        const DigitPick p = pick_digit(h, need);
+        if (!p.found) return t;
+        t |= (u64)p.digit << shift;
+        need -= p.above;
+        if (p.in_digit == need || shift == 0) return t;
+        const u64 below = (1ull << shift) - 1;
+        const u64 free_bits = below & ~same_mask;
+        if (free_bits == 0) return t;
+        const int top = top_bit(free_bits);
+        t |= same_bits & same_mask & below & ~((2ull << top) - 1);
+        fixed = top + 1;
+        shift = max(top - 7, 0);
+    }
+}
+
 // The bits of the index part (~index) shared by every index in [first, last]: a mask and their values.
 __device__ __forceinline__ void index_bits(uint32_t first, uint32_t last, u64& same_mask, u64& same_bits) {
     const uint32_t varying = first == last ? 0u : 0xFFFFFFFFu >> __clz((int)(first ^ last));
     same_mask = (u64)(~varying);
     same_bits = (u64)(~first);
+}
+
+// One warp: the row's lse from the chunks' (max, fixed-point sum), in float64 as the contract says. The
+// chunks' terms are computed in parallel; lane 0 adds them in chunk order (a chunk with a zero sum adds
+// +0.0, which changes nothing). Returns the row's max (fmaxf of the chunk maxima) to every lane. Reads
+// through L2 (ld.global.cg): in a fused launch other CTAs of this launch wrote the chunk results.
+__device__ float combine_lse(const float* chunk_max, const u64* chunk_sum, const int* chunk_flags, int chunks,
+                            double* terms, float& lse, int& flags) {
+    const int lane = threadIdx.x & 31;
+    float big = -INFINITY;
+    unsigned int f = 0;
+    for (int c = lane; c < chunks; c += 32) {
+        big = fmaxf(big, __ldcg(chunk_max + c));
+        f |= (unsigned)__ldcg(chunk_flags + c);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(FULL_MASK, big, o));
+    f = __reduce_or_sync(FULL_MASK, f);
+    for (int c = lane; c < chunks; c += 32) {
+        const double w = (double)expd(__fsub_rn(__ldcg(chunk_max + c), big));
+        const u64 sum = __ldcg(chunk_sum + c);
+        terms[c] = sum == 0 ? 0.0 : __dmul_rn(__ull2double_rn(sum), w);
+    }
+    __syncwarp();
+    if (lane == 0) {
+        double total = 0.0;
+        for (int c = 0; c < chunks; ++c) total = __dadd_rn(total, terms[c]);
+        if (big == -INFINITY) f |= STATUS_NO_FINITE;
+        flags = (int)f;
+        lse = __double2float_rn(__dadd_rn((double)big, log(__dmul_rn(total, 0x1p-44))));
+    }
+    return big;
 }
 
 // Loads item i of this thread: element ((i / VEC) * CHUNK_THREADS + tid) * VEC + i % VEC of the chunk,
@@ -410,9 +515,136 @@ struct ChunkSmem {
     unsigned int warp_count[2][CHUNK_WARPS];
     unsigned int count, taken;
     u64 kth;
+    DigitPick pick;  // block_radix_kth's shared pick
     alignas(16) u64 cand[CAP];
-    float4 stash[GROUP_ITEMS / 4][CHUNK_THREADS];  // a passing group's values, a thread's own column
+    // The stash is done with when a CTA merges its row, so the merge's buffers share its space.
+    union {
+        float4 stash[GROUP_ITEMS / 4][CHUNK_THREADS];  // a passing group's values, a thread's own column
+        struct {
+            alignas(16) u64 acc[MAX_K];  // the row's K best keys, unordered
+            double terms[MAX_CHUNKS];
+        } merge;
+    };
+    u64 merge_lo;  // a key at or below the row's K-th (the largest chunk K-th key, or 1)
+    float merge_top, merge_lse;  // the row's max and lse
+    int merge_flags;
+    unsigned int last;  // nonzero in the CTA that merges its row
 };
+
+// One warp: the K best of the n distinct keys cand[0, n) (n > K, n <= 32 * ITEMS), written unordered to
+// out[] in slot order; returns the threshold of warp_radix_kth (exactly K keys reach it).
+template <int ITEMS>
+__device__ u64 warp_select(const u64* cand, unsigned int n, unsigned int k, u64 lo, u64 hi, u64 same_mask,
+                           u64 same_bits, u64* out, unsigned int (*hist)[256]) {
+    const unsigned int lane = threadIdx.x & 31;
+    u64 x[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const unsigned int at = i * 32 + lane;
+        x[i] = at < n ? cand[at] : 0ull;
+    }
+    const u64 t = warp_radix_kth<ITEMS>(x, k, lo, hi, same_mask, same_bits, hist);
+    unsigned int taken = 0;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const bool sel = x[i] != 0 && x[i] >= t;
+        const unsigned int mask = __ballot_sync(FULL_MASK, sel);
+        const unsigned int at = taken + __popc(mask & ((1u << lane) - 1));
+        if (sel && at < k) out[at] = x[i];
+        taken += __popc(mask);
+    }
+    return t;
+}
+
+// The merge of topk_merge, done by the last CTA of a row to finish its chunk, with this CTA's threads and
+// shared memory, for rows of at most CAP chunk candidates (chunks * K <= CAP, which the launcher checks).
+// It reads every chunk's results back from memory in chunk order, as topk_merge does, so what it writes
+// does not depend on which CTA merges. The chunk K-th keys give a bound at or below the row's K-th key; the
+// candidates that reach it are gathered in shared memory and, when more than K, cut to K by the radix
+// select; a key's rank among the K is the number of larger ones (keys are distinct).
+__device__ void merge_row(const u64* cand, const float* chunk_max, const u64* chunk_sum, const u64* chunk_kth,
+                          const int* chunk_flags, int row, int chunks, unsigned int k, int* __restrict__ top_ids,
+                          float* __restrict__ top_logp, float* __restrict__ lse_out, int* __restrict__ row_status,
+                          ChunkSmem& sm) {
+    constexpr int ITEMS = CAP / CHUNK_THREADS;  // chunk candidates a thread gathers
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const size_t first = (size_t)row * chunks;
+    sm.select_hist[0][tid] = 0;  // block_radix_kth wants it zero; the chunk's own select may have left counts
+    if (tid == 0) {
+        sm.count = 0;
+        sm.taken = 0;
+    }
+    if (warp == 0) {
+        const float top = combine_lse(chunk_max + first, chunk_sum + first, chunk_flags + first, chunks,
+                                      sm.merge.terms, sm.merge_lse, sm.merge_flags);
+        u64 lo = 1;
+        for (int c = lane; c < chunks; c += 32) lo = max(lo, __ldcg(chunk_kth + first + c));
+        lo = warp_max_u64(lo);
+        if (lane == 0) {
+            sm.merge_lo = lo;
+            sm.merge_top = top;
+        }
+    }
+    // Loads first, all ITEMS of them in flight, while warp 0 combines the lse.
+    const u64* row_cand = cand + first * k;
+    const unsigned int total = (unsigned)chunks * k;
+    u64 x[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const unsigned int f = i * CHUNK_THREADS + tid;
+        x[i] = f < total ? __ldcg(row_cand + f) : 0ull;
+    }
+    __syncthreads();
+    const u64 lo = sm.merge_lo;  // >= 1, so empty slots (0) never pass
+    const u64 hi = ((u64)order_key(sm.merge_top) << 32) | 0xFFFFFFFFull;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const bool sel = x[i] >= lo;
+        const unsigned int mask = __ballot_sync(FULL_MASK, sel);
+        if (mask == 0) continue;
+        const int leader = __ffs(mask) - 1;
+        unsigned int at = 0;
+        if (lane == leader) at = atomicAdd(&sm.count, (unsigned)__popc(mask));
+        at = __shfl_sync(FULL_MASK, at, leader) + __popc(mask & ((1u << lane) - 1));
+        if (sel && at < (unsigned)CAP) sm.cand[at] = x[i];  // at < total <= CAP when the launcher fuses
+    }
+    __syncthreads();
+    const unsigned int n = sm.count;
+    const u64* best = sm.cand;
+    unsigned int n_best = n;
+    if (n > k) {
+        u64 same_mask, same_bits;  // indices are below chunks * CHUNK
+        index_bits(0u, (uint32_t)(chunks * CHUNK - 1), same_mask, same_bits);
+        // A round looks at every slot a thread may hold: half of them when they hold every key.
+        constexpr int HALF = ITEMS / 2;
+        const u64 t = n <= (unsigned)(HALF * CHUNK_THREADS)
+                          ? block_radix_kth<CHUNK_THREADS, HALF>(SmemKeys<CHUNK_THREADS, HALF>{sm.cand, n}, k, lo, hi,
+                                                                 same_mask, same_bits, sm.select_hist, &sm.pick)
+                          : block_radix_kth<CHUNK_THREADS, ITEMS>(SmemKeys<CHUNK_THREADS, ITEMS>{sm.cand, n}, k, lo,
+                                                                  hi, same_mask, same_bits, sm.select_hist, &sm.pick);
+        for (unsigned int i = tid; i < n; i += CHUNK_THREADS) {
+            const u64 y = sm.cand[i];
+            if (y >= t) {
+                const unsigned int at = atomicAdd(&sm.taken, 1u);
+                if (at < k) sm.merge.acc[at] = y;
+            }
+        }
+        __syncthreads();
+        best = sm.merge.acc;
+        n_best = min(sm.taken, k);
+    }
+    const float lse = sm.merge_lse;
+    for (unsigned int i = tid; i < n_best; i += CHUNK_THREADS) {
+        const u64 y = best[i];
+        const size_t o = (size_t)row * k + count_larger(y, best, n_best);
+        top_ids[o] = (int)(~(uint32_t)y);
+        top_logp[o] = __fsub_rn(key_value((uint32_t)(y >> 32)), lse);
+    }
+    if (tid == 0) {
+        lse_out[row] = lse;
+        row_status[row] = sm.merge_flags;
+    }
+}
 
 // Composite key of element e of the chunk (0 past its end), read again from memory: the slow path runs
 // too rarely for the chunk's registers to be worth keeping for it.
@@ -472,9 +704,9 @@ __device__ u64 chunk_select_all(const T* __restrict__ row, int base, int len, in
 }
 
 template <typename T>
-__device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_wanted, u64* __restrict__ cand,
-                             float* __restrict__ chunk_max, u64* __restrict__ chunk_sum,
-                             u64* __restrict__ chunk_kth, int* __restrict__ chunk_flags) {
+__device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_wanted, u64* cand, float* chunk_max,
+                             u64* chunk_sum, u64* chunk_kth, int* chunk_flags, int fuse, unsigned int* arrivals,
+                             int* top_ids, float* top_logp, float* lse_out, int* row_status) {
     constexpr int VEC = 16 / sizeof(T);
     constexpr int GROUPS_PER_THREAD = CHUNK_ITEMS / GROUP_ITEMS;
     __shared__ ChunkSmem sm;
@@ -658,20 +890,24 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
         // far fewer instructions than radix rounds over all CAP slots; the K best land at their ranks.
         if (tid < n) {
             const u64 x = sm.cand[tid];
-            const ulonglong2* pairs = reinterpret_cast<const ulonglong2*>(sm.cand);
-            unsigned int neg_rank = 0;  // minus the number of larger keys
-            for (unsigned int j = 0; j < n / 2; ++j) {
-                const ulonglong2 y = pairs[j];
-                neg_rank = sub_if_less(neg_rank, x, y.x);
-                neg_rank = sub_if_less(neg_rank, x, y.y);
-            }
-            if (n & 1) neg_rank = sub_if_less(neg_rank, x, sm.cand[n - 1]);
-            const unsigned int rank = 0u - neg_rank;
+            const unsigned int rank = count_larger(x, sm.cand, n);
             if (rank < k) out[rank] = x;
             if (rank == k - 1) sm.kth = x;
         }
         __syncthreads();
         kth = sm.kth;
+    } else if (n <= (unsigned)WARP_SELECT_MAX) {
+        // Warp 0 alone selects: its radix rounds need no block barrier and cost an eighth of the
+        // instructions of every warp picking the digits (about half those of ranking 65 to 96 candidates by
+        // counting); half the slots a lane when they hold them all. Only thread 0 uses kth.
+        if (warp == 0) {
+            const u64 lo64 = (u64)bound << 32, hi64 = ((u64)hi << 32) | 0xFFFFFFFFull;
+            u64 same_mask, same_bits;
+            index_bits((uint32_t)base, (uint32_t)(base + len - 1), same_mask, same_bits);
+            kth = n <= (unsigned)(WARP_SELECT_MAX / 2)
+                      ? warp_select<WARP_ITEMS / 2>(sm.cand, n, k, lo64, hi64, same_mask, same_bits, out, sm.select_hist)
+                      : warp_select<WARP_ITEMS>(sm.cand, n, k, lo64, hi64, same_mask, same_bits, out, sm.select_hist);
+        }
     } else {
         const u64 lo64 = (u64)bound << 32, hi64 = ((u64)hi << 32) | 0xFFFFFFFFull;
         u64 same_mask, same_bits;
@@ -681,9 +917,9 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
         constexpr int FEW = 2, ALL = CAP / CHUNK_THREADS;
         kth = n <= (unsigned)(FEW * CHUNK_THREADS)
                   ? block_radix_kth<CHUNK_THREADS, FEW>(SmemKeys<CHUNK_THREADS, FEW>{sm.cand, n}, k, lo64, hi64,
-                                                        same_mask, same_bits, sm.select_hist)
+                                                        same_mask, same_bits, sm.select_hist, &sm.pick)
                   : block_radix_kth<CHUNK_THREADS, ALL>(SmemKeys<CHUNK_THREADS, ALL>{sm.cand, n}, k, lo64, hi64,
-                                                        same_mask, same_bits, sm.select_hist);
+                                                        same_mask, same_bits, sm.select_hist, &sm.pick);
         for (unsigned int i = tid; i < n; i += CHUNK_THREADS) {
             const u64 x = sm.cand[i];
             if (x >= kth) {
@@ -701,6 +937,27 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
         chunk_kth[slot] = kth;
         chunk_flags[slot] = status_of_keys(hi, lo);
     }
+    if (!fuse) return;
+    // Count this chunk in, the pattern of a grid barrier: after the CTA's barrier, one thread's fence
+    // makes every thread's writes of the chunk results visible device-wide before the count (release); the
+    // CTA that brings the count to `chunks` merges the row, after a second fence so that it sees every
+    // other chunk's results (acquire), and resets the count for the next launch (every chunk has counted by
+    // then). fence.acq_rel suffices for both patterns; __threadfence would be the heavier fence.sc.
+    __syncthreads();
+    if (tid == 0) {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        const unsigned int before = atomicAdd(&arrivals[row], 1u);
+        const bool last = before == (unsigned)chunks - 1;
+        if (last) {
+            arrivals[row] = 0;
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        }
+        sm.last = last;
+    }
+    __syncthreads();
+    if (!sm.last) return;
+    merge_row(cand, chunk_max, chunk_sum, chunk_kth, chunk_flags, row, chunks, k, top_ids, top_logp, lse_out,
+              row_status, sm);
 }
 
 struct MergeSmem {
@@ -736,35 +993,6 @@ __device__ unsigned int gather_row_candidates(const u64* row_cand, int total, u6
     unsigned int n = s.count;
     __syncthreads();
     return n;
-}
-
-// One warp: the row's lse from the chunks' (max, fixed-point sum), in float64 as the contract says. The
-// chunks' terms are computed in parallel; lane 0 adds them in chunk order (a chunk with a zero sum adds
-// +0.0, which changes nothing).
-__device__ void combine_lse(const float* chunk_max, const u64* chunk_sum, const int* chunk_flags, int chunks,
-                            double* terms, float& lse, int& flags) {
-    const int lane = threadIdx.x & 31;
-    float big = -INFINITY;
-    unsigned int f = 0;
-    for (int c = lane; c < chunks; c += 32) {
-        big = fmaxf(big, chunk_max[c]);
-        f |= (unsigned)chunk_flags[c];
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(FULL_MASK, big, o));
-    f = __reduce_or_sync(FULL_MASK, f);
-    for (int c = lane; c < chunks; c += 32) {
-        const double w = (double)expd(__fsub_rn(chunk_max[c], big));
-        terms[c] = chunk_sum[c] == 0 ? 0.0 : __dmul_rn(__ull2double_rn(chunk_sum[c]), w);
-    }
-    __syncwarp();
-    if (lane == 0) {
-        double total = 0.0;
-        for (int c = 0; c < chunks; ++c) total = __dadd_rn(total, terms[c]);
-        if (big == -INFINITY) f |= STATUS_NO_FINITE;
-        flags = (int)f;
-        lse = __double2float_rn(__dadd_rn((double)big, log(__dmul_rn(total, 0x1p-44))));
-    }
 }
 
 __device__ void merge_kernel(const u64* __restrict__ cand, const float* __restrict__ chunk_max,
@@ -882,14 +1110,18 @@ __device__ void merge_kernel(const u64* __restrict__ cand, const float* __restri
 
 extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, kdt::topk::CHUNK_MIN_BLOCKS)
     topk_chunk_f32(const float* logits, int vocab, int k, kdt::u64* cand, float* chunk_max, kdt::u64* chunk_sum,
-                   kdt::u64* chunk_kth, int* chunk_flags) {
-    kdt::topk::chunk_kernel<float>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags);
+                   kdt::u64* chunk_kth, int* chunk_flags, int fuse, unsigned int* arrivals, int* top_ids,
+                   float* top_logp, float* lse, int* row_status) {
+    kdt::topk::chunk_kernel<float>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags, fuse,
+                                   arrivals, top_ids, top_logp, lse, row_status);
 }
 
 extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, kdt::topk::CHUNK_MIN_BLOCKS)
     topk_chunk_bf16(const __nv_bfloat16* logits, int vocab, int k, kdt::u64* cand, float* chunk_max,
-                    kdt::u64* chunk_sum, kdt::u64* chunk_kth, int* chunk_flags) {
-    kdt::topk::chunk_kernel<__nv_bfloat16>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags);
+                    kdt::u64* chunk_sum, kdt::u64* chunk_kth, int* chunk_flags, int fuse, unsigned int* arrivals,
+                    int* top_ids, float* top_logp, float* lse, int* row_status) {
+    kdt::topk::chunk_kernel<__nv_bfloat16>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags,
+                                           fuse, arrivals, top_ids, top_logp, lse, row_status);
 }
 
 extern "C" __global__ void __launch_bounds__(kdt::topk::THREADS)

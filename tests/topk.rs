@@ -108,11 +108,14 @@ mod gpu {
         let Some(gpu) = gpu() else { return };
         let (bs, l, v) = (2, 15, 163_840);
         let x: Vec<bf16> = tie_heavy_logits(7, bs * l * v).into_iter().map(bf16::from_f32).collect();
-        let a = gpu.topk_logsumexp(Logits::Bf16(&x), bs, l, v, 256).unwrap();
-        let b = gpu.topk_logsumexp(Logits::Bf16(&x), bs, l, v, 256).unwrap();
-        assert_eq!(a, b);
-        let cpu = topk_logsumexp(Logits::Bf16(&x), bs, l, v, 256).unwrap();
-        check_same(&cpu, &a);
+        // K 64 merges inside the chunk kernel, K 256 in the merge kernel.
+        for k in [64, 256] {
+            let a = gpu.topk_logsumexp(Logits::Bf16(&x), bs, l, v, k).unwrap();
+            let b = gpu.topk_logsumexp(Logits::Bf16(&x), bs, l, v, k).unwrap();
+            assert_eq!(a, b);
+            let cpu = topk_logsumexp(Logits::Bf16(&x), bs, l, v, k).unwrap();
+            check_same(&cpu, &a);
+        }
     }
 
     /// Distinct-valued logits (sums of two uniforms, as in the bench), so that a chunk's candidates are
@@ -156,6 +159,61 @@ mod gpu {
             plan.run(gpu, &logits, rows, &mut out).unwrap();
             let got = out.to_host(gpu, 1, rows).unwrap();
             check_same(&topk_logsumexp(Logits::F32(&x[..rows * v]), 1, rows, v, k).unwrap(), &got);
+        }
+    }
+
+    /// Runs captured in one graph and replayed give the eager runs' outputs, and an eager run after the
+    /// replays does too: the chunk kernel's per-row arrival counts, which pick the CTA that merges a row,
+    /// must be back at zero after every launch. K 16 and 64 merge inside the chunk kernel (20 chunks), K
+    /// 256 in the merge kernel.
+    #[test]
+    fn a_graph_of_runs_matches_the_eager_runs() {
+        use cudarc::driver::sys;
+        use kdtree_engine::cuda::topk::{DeviceTopK, TopKPlan};
+        use kdtree_engine::cuda::{DeviceLogits, Gpu};
+        if gpu().is_none() {
+            return;
+        }
+        // Debug builds synchronize after every launch, which a stream capture does not allow.
+        if cfg!(debug_assertions) {
+            return;
+        }
+        // A Gpu of its own: a capture of the shared Gpu's stream would take in other test threads' work.
+        let own = Gpu::new(0).unwrap();
+        let gpu = &own;
+        let (rows, v, steps) = (6, 163_840, 3);
+        let x = smooth_logits(23, steps * rows * v);
+        let dev = gpu.upload(&x).unwrap();
+        for k in [16, 64, 256] {
+            let mut plan = TopKPlan::new(gpu, rows, v, k).unwrap();
+            let run = |plan: &mut TopKPlan, outs: &mut [DeviceTopK]| {
+                for (s, out) in outs.iter_mut().enumerate() {
+                    let logits = DeviceLogits::F32(dev.slice(s * rows * v..(s + 1) * rows * v));
+                    plan.run(gpu, &logits, rows, out).unwrap();
+                }
+            };
+            let mut eager: Vec<DeviceTopK> = (0..steps).map(|_| plan.alloc_output(gpu).unwrap()).collect();
+            run(&mut plan, &mut eager);
+            let want: Vec<TopK> = eager.iter().map(|o| o.to_host(gpu, 1, rows).unwrap()).collect();
+            for (s, w) in want.iter().enumerate() {
+                let cpu = topk_logsumexp(Logits::F32(&x[s * rows * v..(s + 1) * rows * v]), 1, rows, v, k).unwrap();
+                check_same(&cpu, w);
+            }
+            let mut replayed: Vec<DeviceTopK> = (0..steps).map(|_| plan.alloc_output(gpu).unwrap()).collect();
+            let stream = gpu.stream();
+            stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+            run(&mut plan, &mut replayed);
+            let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+            for _ in 0..3 {
+                graph.launch().unwrap();
+            }
+            for (w, out) in want.iter().zip(&replayed) {
+                assert_eq!(&out.to_host(gpu, 1, rows).unwrap(), w, "graph replay, K {k}");
+            }
+            run(&mut plan, &mut eager);
+            for (w, out) in want.iter().zip(&eager) {
+                assert_eq!(&out.to_host(gpu, 1, rows).unwrap(), w, "eager run after the replays, K {k}");
+            }
         }
     }
 

@@ -13,6 +13,9 @@ const CHUNK_THREADS: u32 = 256;
 const THREADS: u32 = 512;
 /// Largest K the kernels select (their candidate buffers hold 512 keys).
 pub const MAX_K: usize = 512;
+/// Rows of at most this many chunk candidates (chunks * K) are merged inside the chunk kernel, by the last
+/// CTA of the row to finish; larger ones by the merge kernel (kernels/topk.cu CAP).
+const FUSED_MAX_CANDIDATES: usize = 2048;
 
 /// Device outputs of top-K: `[rows, K]` ids and log-probs, `[rows]` lse and status words.
 pub struct DeviceTopK {
@@ -56,6 +59,9 @@ pub struct TopKPlan {
     chunk_sum: CudaSlice<u64>,
     chunk_kth: CudaSlice<u64>,
     chunk_flags: CudaSlice<i32>,
+    /// Per row, how many of its chunks have finished in the running launch; the merging CTA sets it back
+    /// to zero, so it is zero between launches.
+    arrivals: CudaSlice<u32>,
 }
 
 impl TopKPlan {
@@ -83,6 +89,7 @@ impl TopKPlan {
             chunk_sum: gpu.zeros(rows * chunks)?,
             chunk_kth: gpu.zeros(rows * chunks)?,
             chunk_flags: gpu.zeros(rows * chunks)?,
+            arrivals: gpu.zeros(rows)?,
         })
     }
 
@@ -114,6 +121,8 @@ impl TopKPlan {
         check_len("lse", out.lse.len(), &[("rows", out.rows)])?;
         check_len("status", out.status.len(), &[("rows", out.rows)])?;
         let (vocab, k, chunks) = (to_i32("vocab", self.vocab)?, self.k as i32, self.chunks as i32);
+        let fused = self.chunks * self.k <= FUSED_MAX_CANDIDATES;
+        let fuse = i32::from(fused);
         let chunk_cfg = LaunchConfig {
             grid_dim: (self.chunks as u32, rows as u32, 1),
             block_dim: (CHUNK_THREADS, 1, 1),
@@ -126,26 +135,32 @@ impl TopKPlan {
                 let mut b = stream.launch_builder(&kernels.topk_chunk_f32);
                 b.arg(x).arg(&vocab).arg(&k);
                 b.arg(&mut self.cand).arg(&mut self.chunk_max).arg(&mut self.chunk_sum);
-                b.arg(&mut self.chunk_kth).arg(&mut self.chunk_flags);
+                b.arg(&mut self.chunk_kth).arg(&mut self.chunk_flags).arg(&fuse).arg(&mut self.arrivals);
+                b.arg(&mut out.ids).arg(&mut out.logp).arg(&mut out.lse).arg(&mut out.status);
                 unsafe { b.launch(chunk_cfg) }.map_err(|e| cuda_err("topk_chunk_f32", e))?;
             }
             DeviceLogits::Bf16(x) => {
                 let mut b = stream.launch_builder(&kernels.topk_chunk_bf16);
                 b.arg(x).arg(&vocab).arg(&k);
                 b.arg(&mut self.cand).arg(&mut self.chunk_max).arg(&mut self.chunk_sum);
-                b.arg(&mut self.chunk_kth).arg(&mut self.chunk_flags);
+                b.arg(&mut self.chunk_kth).arg(&mut self.chunk_flags).arg(&fuse).arg(&mut self.arrivals);
+                b.arg(&mut out.ids).arg(&mut out.logp).arg(&mut out.lse).arg(&mut out.status);
                 unsafe { b.launch(chunk_cfg) }.map_err(|e| cuda_err("topk_chunk_bf16", e))?;
             }
         }
         gpu.after_launch("topk_chunk")?;
-        let merge_cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-        let mut b = stream.launch_builder(&kernels.topk_merge);
-        b.arg(&self.cand).arg(&self.chunk_max).arg(&self.chunk_sum).arg(&self.chunk_kth).arg(&self.chunk_flags);
-        b.arg(&chunks).arg(&k);
-        b.arg(&mut out.ids).arg(&mut out.logp).arg(&mut out.lse).arg(&mut out.status);
-        unsafe { b.launch(merge_cfg) }.map_err(|e| cuda_err("topk_merge", e))?;
+        if !fused {
+            let merge_cfg =
+                LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+            let mut b = stream.launch_builder(&kernels.topk_merge);
+            b.arg(&self.cand).arg(&self.chunk_max).arg(&self.chunk_sum).arg(&self.chunk_kth).arg(&self.chunk_flags);
+            b.arg(&chunks).arg(&k);
+            b.arg(&mut out.ids).arg(&mut out.logp).arg(&mut out.lse).arg(&mut out.status);
+            unsafe { b.launch(merge_cfg) }.map_err(|e| cuda_err("topk_merge", e))?;
+            gpu.after_launch("topk_merge")?;
+        }
         out.valid_rows = rows;
-        gpu.after_launch("topk_merge")
+        Ok(())
     }
 }
 
