@@ -340,6 +340,26 @@ struct SmemKeys {
     }
 };
 
+// One round's end in the radix selects: takes the picked digit into t and moves (shift, fixed) to the
+// next digit below it, skipping the bits every key shares. Returns false when t is final: the pick found
+// fewer than `need` keys, the digit holds exactly the keys still needed, or no differing bit is left.
+__device__ __forceinline__ bool next_digit(const DigitPick& p, u64 same_mask, u64 same_bits, u64& t,
+                                           unsigned int& need, int& shift, int& fixed) {
+    if (!p.found) return false;
+    t |= (u64)p.digit << shift;
+    need -= p.above;
+    if (p.in_digit == need || shift == 0) return false;
+    // More than one key is left in the digit, so some bit below shift still differs between keys.
+    const u64 below = (1ull << shift) - 1;
+    const u64 free_bits = below & ~same_mask;
+    if (free_bits == 0) return false;
+    const int top = top_bit(free_bits);
+    t |= same_bits & same_mask & below & ~((2ull << top) - 1);
+    fixed = top + 1;
+    shift = max(top - 7, 0);
+    return true;
+}
+
 // Radix select, 8 bits a round: the k-th largest of the distinct nonzero keys in [lo, hi] (more than k of
 // them), so that exactly k of those keys are >= the result. Every key has the bits same_bits where
 // same_mask is set (the high bits of the index part, from the index range); the rounds skip them, so
@@ -377,18 +397,7 @@ __device__ u64 block_radix_kth(const Keys& keys, unsigned int k, u64 lo, u64 hi,
             __syncthreads();
             p = *shared_pick;
         }
-        if (!p.found) return t;
-        t |= (u64)p.digit << shift;
-        need -= p.above;
-        if (p.in_digit == need || shift == 0) return t;
-        // More than one key is left in the digit, so some bit below shift still differs between keys.
-        const u64 below = (1ull << shift) - 1;
-        const u64 free_bits = below & ~same_mask;
-        if (free_bits == 0) return t;
-        const int top = top_bit(free_bits);
-        t |= same_bits & same_mask & below & ~((2ull << top) - 1);
-        fixed = top + 1;
-        shift = max(top - 7, 0);
+        if (!next_digit(p, same_mask, same_bits, t, need, shift, fixed)) return t;
     }
 }
 
@@ -416,17 +425,7 @@ __device__ u64 warp_radix_kth(const u64 (&keys)[ITEMS], unsigned int k, u64 lo, 
         other[2 * lane + 1] = make_uint4(0, 0, 0, 0);
         __syncwarp();
         const DigitPick p = pick_digit(h, need);
-        if (!p.found) return t;
-        t |= (u64)p.digit << shift;
-        need -= p.above;
-        if (p.in_digit == need || shift == 0) return t;
-        const u64 below = (1ull << shift) - 1;
-        const u64 free_bits = below & ~same_mask;
-        if (free_bits == 0) return t;
-        const int top = top_bit(free_bits);
-        t |= same_bits & same_mask & below & ~((2ull << top) - 1);
-        fixed = top + 1;
-        shift = max(top - 7, 0);
+        if (!next_digit(p, same_mask, same_bits, t, need, shift, fixed)) return t;
     }
 }
 

@@ -187,10 +187,9 @@ fn bad_input_is_a_named_error() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use common::gpu;
-    use cudarc::driver::{sys, CudaSlice};
+    use common::{capture_gpu, gpu, replay_graph};
+    use cudarc::driver::CudaSlice;
     use kdtree_engine::cuda::moe_int4::{DeviceExperts, DeviceInt4, Int4Layout, MoePlan, LAYOUT};
-    use kdtree_engine::cuda::Gpu;
     use proptest::prelude::*;
 
     #[test]
@@ -342,16 +341,7 @@ mod gpu {
     /// expert on average) runs the narrow and the wide kernels, T 1 and 5 the narrow ones only.
     #[test]
     fn a_graph_of_steps_matches_the_eager_steps() {
-        if gpu().is_none() {
-            return;
-        }
-        // Debug builds synchronize after every launch, which a stream capture does not allow.
-        if cfg!(debug_assertions) {
-            return;
-        }
-        // A Gpu of its own, with its own stream: the shared Gpu's stream serves the other test threads,
-        // and a capture of it would take in their launches and copies (replayed later into freed memory).
-        let own = Gpu::new(0).unwrap();
+        let Some(own) = capture_gpu() else { return };
         let gpu = &own;
         let (e, k, h, i, steps) = (16, 4, 1024, 512, 6);
         let w = random_layer(31, e, h, i);
@@ -374,13 +364,7 @@ mod gpu {
             run(&mut plan, &mut eager);
             plan.check_status(gpu).unwrap();
             let mut replayed = gpu.zeros::<f32>(steps * t * h).unwrap();
-            let stream = gpu.stream();
-            stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
-            run(&mut plan, &mut replayed);
-            let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
-            for _ in 0..3 {
-                graph.launch().unwrap();
-            }
+            replay_graph(gpu, 3, || run(&mut plan, &mut replayed));
             plan.check_status(gpu).unwrap();
             let (want, got) = (gpu.download(&eager).unwrap(), gpu.download(&replayed).unwrap());
             assert_bits("graph replay", &format!("T {t}"), &got, &want);

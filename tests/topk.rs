@@ -64,7 +64,7 @@ fn bad_input_is_a_named_error() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use common::gpu;
+    use common::{capture_gpu, gpu, replay_graph};
     use half::bf16;
     use proptest::prelude::*;
 
@@ -168,18 +168,9 @@ mod gpu {
     /// 256 in the merge kernel.
     #[test]
     fn a_graph_of_runs_matches_the_eager_runs() {
-        use cudarc::driver::sys;
         use kdtree_engine::cuda::topk::{DeviceTopK, TopKPlan};
-        use kdtree_engine::cuda::{DeviceLogits, Gpu};
-        if gpu().is_none() {
-            return;
-        }
-        // Debug builds synchronize after every launch, which a stream capture does not allow.
-        if cfg!(debug_assertions) {
-            return;
-        }
-        // A Gpu of its own: a capture of the shared Gpu's stream would take in other test threads' work.
-        let own = Gpu::new(0).unwrap();
+        use kdtree_engine::cuda::DeviceLogits;
+        let Some(own) = capture_gpu() else { return };
         let gpu = &own;
         let (rows, v, steps) = (6, 163_840, 3);
         let x = smooth_logits(23, steps * rows * v);
@@ -200,13 +191,7 @@ mod gpu {
                 check_same(&cpu, w);
             }
             let mut replayed: Vec<DeviceTopK> = (0..steps).map(|_| plan.alloc_output(gpu).unwrap()).collect();
-            let stream = gpu.stream();
-            stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
-            run(&mut plan, &mut replayed);
-            let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
-            for _ in 0..3 {
-                graph.launch().unwrap();
-            }
+            replay_graph(gpu, 3, || run(&mut plan, &mut replayed));
             for (w, out) in want.iter().zip(&replayed) {
                 assert_eq!(&out.to_host(gpu, 1, rows).unwrap(), w, "graph replay, K {k}");
             }

@@ -73,3 +73,29 @@ pub fn gpu() -> Option<&'static kdtree_engine::cuda::Gpu> {
     }
     gpu.as_ref()
 }
+
+/// A `Gpu` of its own, for a test that captures its stream into a CUDA graph; `None` without a device
+/// (see [`gpu`]) or in a debug build, which synchronizes after every launch, something a capture does not
+/// allow. The shared `Gpu`'s stream serves the other test threads, and a capture of it would take in
+/// their launches and copies (replayed later into freed memory).
+#[cfg(feature = "cuda")]
+pub fn capture_gpu() -> Option<kdtree_engine::cuda::Gpu> {
+    gpu()?;
+    if cfg!(debug_assertions) {
+        return None;
+    }
+    Some(kdtree_engine::cuda::Gpu::new(0).expect("a CUDA device is present, so it must open"))
+}
+
+/// Captures the work `record` queues on `gpu`'s stream into a graph and replays it `replays` times.
+#[cfg(feature = "cuda")]
+pub fn replay_graph(gpu: &kdtree_engine::cuda::Gpu, replays: usize, record: impl FnOnce()) {
+    use cudarc::driver::sys;
+    let stream = gpu.stream();
+    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).expect("begin capture");
+    record();
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).expect("end capture").expect("a graph");
+    for _ in 0..replays {
+        graph.launch().expect("graph replay");
+    }
+}
