@@ -129,11 +129,11 @@ typedef cub::BlockScan<int, ALIGN_THREADS> ScanInt;
 
 // Alignment of topk_ids [T, k]: one CTA. Pairs are counted per expert, scanned into offsets, and placed in
 // pair order by a single warp so that each expert's pairs stay in increasing pair order; the experts with
-// pairs are listed in increasing id, and again with their pairs as `active_slices` (expert, begin, count,
-// 0), so that a GEMM block finds its expert in one load.
+// pairs are listed in increasing id as `active_slices` (expert, begin, count, 0), so that a GEMM block
+// finds its expert in one load.
 extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
     moe_align(const int* __restrict__ topk_ids, int T, int E, int k, int* __restrict__ expert_offsets,
-              int* __restrict__ sorted_pairs, int* __restrict__ active_experts, int4* __restrict__ active_slices,
+              int* __restrict__ sorted_pairs, int4* __restrict__ active_slices,
               int* __restrict__ num_active, int* __restrict__ status) {
     __shared__ int count[MAX_EXPERTS];
     __shared__ int next[MAX_EXPERTS];
@@ -179,10 +179,7 @@ extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
         if (e >= E) continue;
         expert_offsets[e] = offset[i];
         next[e] = offset[i];
-        if (used[i]) {
-            active_experts[rank[i]] = e;
-            active_slices[rank[i]] = make_int4(e, offset[i], c[i], 0);
-        }
+        if (used[i]) active_slices[rank[i]] = make_int4(e, offset[i], c[i], 0);
     }
     if (tid == 0) {
         expert_offsets[E] = pairs;

@@ -208,6 +208,26 @@ mod gpu {
         }
     }
 
+    /// The plan lists exactly the experts that received a pair, in increasing id.
+    #[test]
+    fn gpu_plan_lists_the_active_experts() {
+        let Some(gpu) = gpu() else { return };
+        for case in cases("moe_routing") {
+            let (e, k) = (case.usize("E").unwrap(), case.usize("k").unwrap());
+            let logits: Vec<f32> = case.array("router_logits").unwrap();
+            let tokens = logits.len() / e;
+            let shape = kdtree_engine::cuda::moe_int4::ExpertsShape { count: e, hidden: 32, inter: 32 };
+            let mut plan = MoePlan::new(gpu, shape, k, tokens).unwrap();
+            let (logits, bias) =
+                (gpu.upload(&logits).unwrap(), gpu.upload(&case.array::<f32>("bias").unwrap()).unwrap());
+            let scaling = case.f64("routed_scaling_factor").unwrap();
+            plan.route(gpu, &logits.as_view(), &bias.as_view(), scaling, tokens).unwrap();
+            let offsets = case.array::<i32>("expert_offsets").unwrap();
+            let want: Vec<i32> = (0..e).filter(|&x| offsets[x + 1] > offsets[x]).map(|x| x as i32).collect();
+            assert_same(&case.name(), "active experts", &plan.active_experts(gpu).unwrap(), &want);
+        }
+    }
+
     #[test]
     fn gpu_expert_output_matches_every_fixture() {
         let Some(gpu) = gpu() else { return };

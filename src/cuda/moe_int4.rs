@@ -247,9 +247,8 @@ pub struct MoePlan {
     topk_weights: CudaSlice<f32>,
     expert_offsets: CudaSlice<i32>,
     sorted_pairs: CudaSlice<i32>,
-    active_experts: CudaSlice<i32>,
-    /// Per active expert (in `active_experts` order) its id, first sorted pair and pair count, and a
-    /// zero: the 16 bytes a GEMM block loads to find its work.
+    /// Per active expert, in increasing id, its id, first sorted pair and pair count, and a zero: the 16
+    /// bytes a GEMM block loads to find its work.
     active_slices: CudaSlice<i32>,
     num_active: CudaSlice<i32>,
     status: CudaSlice<i32>,
@@ -286,7 +285,6 @@ impl MoePlan {
             topk_weights: gpu.zeros(pairs)?,
             expert_offsets: gpu.zeros(shape.count + 1)?,
             sorted_pairs: gpu.zeros(pairs)?,
-            active_experts: gpu.zeros(shape.count)?,
             active_slices: gpu.zeros(4 * shape.count)?,
             num_active: gpu.zeros(1)?,
             status: gpu.zeros(1)?,
@@ -371,7 +369,7 @@ impl MoePlan {
         let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (ALIGN_THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut a = KernelArgs::new(gpu);
         a.ptr(&self.topk_ids).val(t).val(e).val(k).ptr_mut(&mut self.expert_offsets).ptr_mut(&mut self.sorted_pairs);
-        a.ptr_mut(&mut self.active_experts).ptr_mut(&mut self.active_slices).ptr_mut(&mut self.num_active);
+        a.ptr_mut(&mut self.active_slices).ptr_mut(&mut self.num_active);
         a.ptr_mut(&mut self.status);
         // Dependent launch only right behind the routing kernel (after the copies of set_routing there is
         // no kernel to overlap).
@@ -491,7 +489,7 @@ impl MoePlan {
     /// The experts that received at least one pair in the current routing, in increasing id (synchronizes).
     pub fn active_experts(&self, gpu: &Gpu) -> Result<Vec<i32>> {
         let n = gpu.download(&self.num_active)?[0] as usize;
-        Ok(gpu.download(&self.active_experts)?.into_iter().take(n).collect())
+        Ok(gpu.download(&self.active_slices)?.chunks(4).take(n).map(|slice| slice[0]).collect())
     }
 }
 
