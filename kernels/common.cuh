@@ -48,51 +48,41 @@ __device__ __forceinline__ int status_of_keys(uint32_t kmax, uint32_t kmin) {
     return flags;
 }
 
-// exp(d) * 2^E for d in [-32, 0] from single rounded f32 operations, bit-identical to the numpy and Rust
-// expd times 2^E. The _rn intrinsics stop nvcc from contracting a multiply and an add into an FMA. Three
-// steps are cheaper than the contract's text yet give the same bits: k * LN2_HI is exact (k has at most 6
-// significant bits, LN2_HI 15), so one FMA rounds d - k * LN2_HI exactly once, as the two operations do;
-// the polynomial runs on coefficients scaled by 2^E, which scales every rounded step by exactly 2^E (the
-// steps stay normal; a subnormal r only adds a product far below the next coefficient's last bit); and
-// p * 2^k is exact (p * 2^E is near 2^E and k >= -46, so the result stays normal), so it is an add of k to
-// the exponent field, one integer multiply-add of the rint sum's bits.
-// FLOORED (lse_term, E 44) fuses two more steps, each into one FMA: d * LOG2E + 1.5 * 2^23 (rint of the
-// exact product rather than of the rounded one) and the first polynomial step C7 * r + C6. Together they
-// change expd itself for 4 d in [-31, 0] (the fused rint picks another k), never q = floor(expd * 2^44);
-// fusing the second step as well would change q (for 24 d). reference/check_expd_scaled.py checks every
-// f32 d in [-32, 0]: q of the FLOORED form, and the bits of expd from the other form.
-template <int E, bool FLOORED>
+// exp(d) * 2^E for d in [-32, 0], bit-identical to the numpy and Rust expd times 2^E: the contract's
+// FMAs are spelled out (__fmaf_rn), and the _rn subtraction cannot be fused. Two steps are cheaper than
+// the contract's text yet give the same bits: k comes from one FMA, d * LOG2E + 1.5 * 2^23, whose f32
+// grid has spacing 1 there, so its one rounding is rint (half to even) of the exact product, and the
+// sum's bits are 0x4B400000 + k; and p * 2^k is an integer add of k << 23 (those bits shifted, modulo
+// 2^32) to the exponent field. The polynomial runs on coefficients scaled by 2^E, which scales each FMA's
+// result by exactly 2^E, as every one stays normal. reference/check_expd_scaled.py checks every f32 d in
+// [-32, 0] against the contract: expd<0> bit for bit, and lse_term's floor at 2^44.
+template <int E>
 __device__ __forceinline__ float expd_scaled(float d) {
     static_assert(E >= 0 && E <= 64, "2^E scales the coefficients without overflow");
-    static_assert(!FLOORED || E == 44, "the fused steps are proven only under the floor at 2^44");
     const float log2e = __uint_as_float(0x3FB8AA3Bu);
-    const float ln2_hi = __uint_as_float(0x3F317200u);
-    const float ln2_lo = __uint_as_float(0x35BFBE8Eu);
+    const float ln2 = __uint_as_float(0x3F317218u);
     constexpr uint32_t SCALE = (uint32_t)E << 23;  // 2^E in the exponent field
-    // rint by the 1.5 * 2^23 trick: same value as rintf (round half to even) for |x| < 2^22, and the sum's
-    // bits are 0x4B400000 + k, so (bits << 23) is k << 23 modulo 2^32, with no conversion instruction.
     const float magic = 12582912.0f;
-    const float km = FLOORED ? __fmaf_rn(d, log2e, magic) : __fadd_rn(__fmul_rn(d, log2e), magic);
+    const float km = __fmaf_rn(d, log2e, magic);
     const float k = __fsub_rn(km, magic);
-    float r = __fmaf_rn(-k, ln2_hi, d);
-    r = __fsub_rn(r, __fmul_rn(k, ln2_lo));
-    const float c7 = __uint_as_float(0x39500D01u + SCALE), c6 = __uint_as_float(0x3AB60B61u + SCALE);
-    float p = FLOORED ? __fmaf_rn(c7, r, c6) : __fadd_rn(__fmul_rn(c7, r), c6);
-    const uint32_t coeff[6] = {0x3C088889u, 0x3D2AAAABu, 0x3E2AAAABu, 0x3F000000u, 0x3F800000u, 0x3F800000u};
+    const float r = __fmaf_rn(-k, ln2, d);
+    const uint32_t coeff[7] = {0x3AB57398u, 0x3C0933C1u, 0x3D2AAC11u, 0x3E2AAA0Du,  // C6 .. C3
+                               0x3EFFFFFEu, 0x3F800000u, 0x3F800000u};             // C2 .. C0
+    float p = __uint_as_float(coeff[0] + SCALE);
 #pragma unroll
-    for (int i = 0; i < 6; ++i) p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(coeff[i] + SCALE));
+    for (int i = 1; i < 7; ++i) p = __fmaf_rn(p, r, __uint_as_float(coeff[i] + SCALE));
     return __uint_as_float(__float_as_uint(p) + ((uint32_t)__float_as_int(km) << 23));
 }
 
 // The contract's expd: 0 below -31 (and for NaN).
-__device__ __forceinline__ float expd(float d) { return d >= -31.0f ? expd_scaled<0, false>(d) : 0.0f; }
+__device__ __forceinline__ float expd(float d) { return d >= -31.0f ? expd_scaled<0>(d) : 0.0f; }
 
 // floor(expd(v - m) * 2^44): the exact fixed-point term of the chunked logsumexp. Below d = -31 the
 // term is 0; clamping d at -32 keeps the exponent in range and still floors to 0 there, with no branch
 // (NaN from -inf - -inf clamps too).
 __device__ __forceinline__ u64 lse_term(float v, float m) {
     float d = fmaxf(__fsub_rn(v, m), -32.0f);
-    return __float2ull_rz(expd_scaled<44, true>(d));
+    return __float2ull_rz(expd_scaled<44>(d));
 }
 
 // Shift that yields 0 instead of undefined behaviour at 64.

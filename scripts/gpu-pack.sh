@@ -2,7 +2,9 @@
 # Builds the CUDA test and bench binaries (release, no debug info), strips them and packs them into
 # gpu-pack/bundle.tar.xz (git-ignored; about a quarter of their size, since the working tree that travels
 # to the GPU machine is limited to 64 MiB with the fixtures), where scripts/gpu-run.sh unpacks and runs them.
-# Needs NVCC (scripts/install-nvcc.sh). Usage: scripts/gpu-pack.sh [extra cargo features]
+# Needs NVCC (scripts/install-nvcc.sh). Usage: [KEEP="PATTERN ..."] scripts/gpu-pack.sh [extra cargo features]
+# KEEP packs only the binaries whose paths match one of the glob patterns (e.g. KEEP="tests/* benches/topk"):
+# every binary embeds the kernels' fatbin, so all of them and the fixtures no longer fit the 64 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${NVCC:?set NVCC to the nvcc that scripts/install-nvcc.sh printed}"
@@ -32,6 +34,17 @@ cargo bench --no-default-features --features "$features,int4-tiled" --no-run --b
 mv gpu-pack/tiled/moe_int4 gpu-pack/benches/moe_int4_tiled && rmdir gpu-pack/tiled
 cargo build --release --features "$features" --example build_tree --example generate
 cp target/release/examples/build_tree target/release/examples/generate gpu-pack/examples/
+if [ -n "${KEEP:-}" ]; then
+    read -ra patterns <<<"$KEEP"  # split on blanks, with no pathname expansion
+    for f in gpu-pack/tests/* gpu-pack/benches/* gpu-pack/examples/*; do
+        keep=0
+        for pattern in "${patterns[@]}"; do
+            # shellcheck disable=SC2053  # the pattern is a glob on purpose
+            [[ ${f#gpu-pack/} == $pattern ]] && keep=1
+        done
+        [ $keep = 1 ] || rm "$f"
+    done
+fi
 strip gpu-pack/tests/* gpu-pack/benches/* gpu-pack/examples/*
 tar -cJf gpu-pack/bundle.tar.xz -C gpu-pack tests benches examples
 rm -rf gpu-pack/tests gpu-pack/benches gpu-pack/examples
