@@ -27,9 +27,9 @@ constexpr int CHUNK = 8192;
 constexpr int CHUNK_THREADS = 256;
 constexpr int CHUNK_WARPS = CHUNK_THREADS / 32;
 constexpr int CHUNK_ITEMS = CHUNK / CHUNK_THREADS;  // per thread, in registers
-// CTAs an SM should hold: three fit its shared memory (ChunkSmem and a 32 KB staging buffer each, for f32),
-// which allows 85 registers a thread.
-constexpr int CHUNK_MIN_BLOCKS = 3;
+// CTAs an SM should hold: 4 caps the chunk kernel at 64 registers, where ptxas spills only two words outside
+// the exp loop, for 32 warps an SM rather than 24 at 3 (80 registers) to hide the barriers and loads.
+constexpr int CHUNK_MIN_BLOCKS = 4;
 constexpr int GROUP_ITEMS = 16;
 constexpr int GROUPS = CHUNK / GROUP_ITEMS;
 constexpr int MERGE_ITEMS = 8;
@@ -702,46 +702,14 @@ __device__ u64 chunk_select_all(const T* __restrict__ row, int base, int len, in
     return t;
 }
 
-// Stages chunk `chunk` of row `row` into this CTA's staging buffer with cp.async when it is whole and
-// 16-byte aligned (vec_ok); each thread copies the vectors it will load itself (load_chunk's layout), so
-// it alone reads them back and no barrier guards the buffer. Returns whether it staged.
 template <typename T>
-__device__ __forceinline__ bool stage_chunk(const T* __restrict__ logits, int vocab, int row, int chunk, bool vec_ok,
-                                            uint4* staged) {
-    constexpr int VEC = 16 / sizeof(T);
-    if (!vec_ok || vocab - chunk * CHUNK < CHUNK) return false;
-    const uint4* src = reinterpret_cast<const uint4*>(logits + (size_t)row * vocab + chunk * CHUNK) + threadIdx.x;
-#pragma unroll
-    for (int v = 0; v < CHUNK_ITEMS / VEC; ++v) cp_async16(staged + v * CHUNK_THREADS + threadIdx.x, src + v * CHUNK_THREADS, 16);
-    cp_async_commit();
-    return true;
-}
-
-// Loads this thread's items of a staged chunk (load_chunk's layout) once its own copies have landed.
-template <typename T>
-__device__ __forceinline__ void load_staged(const uint4* staged, float (&vals)[CHUNK_ITEMS]) {
-    constexpr int VEC = 16 / sizeof(T);
-    cp_async_wait<0>();
-#pragma unroll
-    for (int v = 0; v < CHUNK_ITEMS / VEC; ++v) {
-        const uint4 raw = staged[v * CHUNK_THREADS + threadIdx.x];
-        const T* x = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) vals[v * VEC + j] = to_f32(x[j]);
-    }
-}
-
-// One chunk of one row (see the file comment). `staged`: whether stage_chunk holds this chunk; once the
-// chunk's values are in registers, the next item of this CTA (`next_row`, `next_chunk`, when next_row <
-// rows) is staged, so that its load overlaps this chunk's selection and merge. Returns whether it was.
-template <typename T>
-__device__ bool chunk_item(const T* __restrict__ logits, int vocab, int rows, int chunks, int row, int chunk,
-                           bool staged, int next_row, int next_chunk, uint4* stage, int k_wanted, u64* cand,
-                           float* chunk_max, u64* chunk_sum, u64* chunk_kth, int* chunk_flags, int fuse,
-                           unsigned int* arrivals, int* top_ids, float* top_logp, float* lse_out, int* row_status,
-                           ChunkSmem& sm) {
+__device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_wanted, u64* cand, float* chunk_max,
+                             u64* chunk_sum, u64* chunk_kth, int* chunk_flags, int fuse, unsigned int* arrivals,
+                             int* top_ids, float* top_logp, float* lse_out, int* row_status) {
     constexpr int VEC = 16 / sizeof(T);
     constexpr int GROUPS_PER_THREAD = CHUNK_ITEMS / GROUP_ITEMS;
+    __shared__ ChunkSmem sm;
+    const int chunk = blockIdx.x, row = blockIdx.y, chunks = gridDim.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int base = chunk * CHUNK;
     const int len = min(CHUNK, vocab - base);
@@ -750,10 +718,7 @@ __device__ bool chunk_item(const T* __restrict__ logits, int vocab, int rows, in
     const unsigned int k = (unsigned)k_wanted;
 
     float vals[CHUNK_ITEMS];
-    if (staged)
-        load_staged<T>(stage, vals);
-    else
-        load_chunk<T>(row_ptr, base, len, vec_ok, vals);
+    load_chunk<T>(row_ptr, base, len, vec_ok, vals);
     sm.bound_hist[0][tid] = 0;
     sm.bound_hist[1][tid] = 0;
     sm.select_hist[0][tid] = 0;
@@ -781,8 +746,6 @@ __device__ bool chunk_item(const T* __restrict__ logits, int vocab, int rows, in
         hi = max(hi, group_key[g]);
         real += is_real;
     }
-    // Every value has been read (the group maxima use them all), so the buffer may take the next chunk.
-    const bool next_staged = next_row < rows && stage_chunk<T>(logits, vocab, next_row, next_chunk, vec_ok, stage);
     lo = __reduce_min_sync(FULL_MASK, lo);
     hi = __reduce_max_sync(FULL_MASK, hi);
     real = __reduce_add_sync(FULL_MASK, real);
@@ -973,7 +936,7 @@ __device__ bool chunk_item(const T* __restrict__ logits, int vocab, int rows, in
         chunk_kth[slot] = kth;
         chunk_flags[slot] = status_of_keys(hi, lo);
     }
-    if (!fuse) return next_staged;
+    if (!fuse) return;
     // Count this chunk in, the pattern of a grid barrier: after the CTA's barrier, one thread's fence
     // makes every thread's writes of the chunk results visible device-wide before the count (release); the
     // CTA that brings the count to `chunks` merges the row, after a second fence so that it sees every
@@ -991,38 +954,9 @@ __device__ bool chunk_item(const T* __restrict__ logits, int vocab, int rows, in
         sm.last = last;
     }
     __syncthreads();
-    if (!sm.last) return next_staged;
+    if (!sm.last) return;
     merge_row(cand, chunk_max, chunk_sum, chunk_kth, chunk_flags, row, chunks, k, top_ids, top_logp, lse_out,
               row_status, sm);
-    return next_staged;
-}
-
-// A persistent CTA: items (row, chunk) in row-major order, from blockIdx.x in steps of gridDim.x (the
-// CTAs that fit the device at once), so that one item's load overlaps the previous one's selection and
-// merge. Which CTA takes an item changes nothing it writes: results are per item, and a row's merge reads
-// its chunks in chunk order.
-template <typename T>
-__device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int rows, int k_wanted, u64* cand,
-                             float* chunk_max, u64* chunk_sum, u64* chunk_kth, int* chunk_flags, int fuse,
-                             unsigned int* arrivals, int* top_ids, float* top_logp, float* lse_out,
-                             int* row_status) {
-    constexpr int VEC = 16 / sizeof(T);
-    __shared__ ChunkSmem sm;
-    extern __shared__ uint4 stage[];  // CHUNK values of T: the next item's chunk
-    const int chunks = (vocab + CHUNK - 1) / CHUNK;
-    const int items = rows * chunks;
-    const bool vec_ok = (vocab % VEC) == 0 && ((uintptr_t)logits % 16) == 0;
-    int item = blockIdx.x;
-    if (item >= items) return;
-    bool staged = stage_chunk<T>(logits, vocab, item / chunks, item % chunks, vec_ok, stage);
-    while (item < items) {
-        const int next = item + (int)gridDim.x;
-        staged = chunk_item<T>(logits, vocab, rows, chunks, item / chunks, item % chunks, staged, next / chunks,
-                               next % chunks, stage, k_wanted, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags,
-                               fuse, arrivals, top_ids, top_logp, lse_out, row_status, sm);
-        item = next;
-        __syncthreads();  // the next item resets shared memory that this one's last readers may still use
-    }
 }
 
 struct MergeSmem {
@@ -1174,18 +1108,18 @@ __device__ void merge_kernel(const u64* __restrict__ cand, const float* __restri
 }  // namespace kdt
 
 extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, kdt::topk::CHUNK_MIN_BLOCKS)
-    topk_chunk_f32(const float* logits, int vocab, int rows, int k, kdt::u64* cand, float* chunk_max,
-                   kdt::u64* chunk_sum, kdt::u64* chunk_kth, int* chunk_flags, int fuse, unsigned int* arrivals,
-                   int* top_ids, float* top_logp, float* lse, int* row_status) {
-    kdt::topk::chunk_kernel<float>(logits, vocab, rows, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags, fuse,
+    topk_chunk_f32(const float* logits, int vocab, int k, kdt::u64* cand, float* chunk_max, kdt::u64* chunk_sum,
+                   kdt::u64* chunk_kth, int* chunk_flags, int fuse, unsigned int* arrivals, int* top_ids,
+                   float* top_logp, float* lse, int* row_status) {
+    kdt::topk::chunk_kernel<float>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags, fuse,
                                    arrivals, top_ids, top_logp, lse, row_status);
 }
 
 extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, kdt::topk::CHUNK_MIN_BLOCKS)
-    topk_chunk_bf16(const __nv_bfloat16* logits, int vocab, int rows, int k, kdt::u64* cand, float* chunk_max,
+    topk_chunk_bf16(const __nv_bfloat16* logits, int vocab, int k, kdt::u64* cand, float* chunk_max,
                     kdt::u64* chunk_sum, kdt::u64* chunk_kth, int* chunk_flags, int fuse, unsigned int* arrivals,
                     int* top_ids, float* top_logp, float* lse, int* row_status) {
-    kdt::topk::chunk_kernel<__nv_bfloat16>(logits, vocab, rows, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags,
+    kdt::topk::chunk_kernel<__nv_bfloat16>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags,
                                            fuse, arrivals, top_ids, top_logp, lse, row_status);
 }
 

@@ -257,13 +257,6 @@ impl Gpu {
                 mla::CHUNK_SHARED_BYTES as i32,
             )
             .map_err(|e| cuda_err("mla_chunk shared memory attribute", e))?;
-        for (f, elem_bytes) in [(&kernels.topk_chunk_f32, 4), (&kernels.topk_chunk_bf16, 2)] {
-            f.set_attribute(
-                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                topk::stage_bytes(elem_bytes) as i32,
-            )
-            .map_err(|e| cuda_err("topk_chunk shared memory attribute", e))?;
-        }
         for (f, bytes) in kernels.gemm_bf16.iter().zip(gemm_bf16::SHARED_BYTES) {
             f.set_attribute(
                 sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -276,19 +269,6 @@ impl Gpu {
         let (major, _) = ctx.compute_capability().map_err(|e| cuda_err("compute capability", e))?;
         let pdl = major >= 9 && std::env::var("KDTREE_PDL").map_or(true, |v| v != "0");
         Ok(Gpu { ctx, stream, kernels, pdl })
-    }
-
-    /// CTAs of `f` (`threads` threads, `dynamic_smem` bytes of dynamic shared memory) resident on the whole
-    /// device at once: the grid of a persistent kernel.
-    pub(crate) fn resident_ctas(&self, f: &CudaFunction, threads: u32, dynamic_smem: usize) -> Result<u32> {
-        let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor(threads, dynamic_smem, None)
-            .map_err(|e| cuda_err("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?;
-        let sms = self
-            .ctx
-            .attribute(sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| cuda_err("multiprocessor count", e))?;
-        Ok(per_sm.max(1) * sms.max(1) as u32)
     }
 
     /// Launches `f` on the stream through `cuLaunchKernelEx`. With `pdl` (where the `Gpu` allows it), as a

@@ -17,12 +17,6 @@ pub const MAX_K: usize = 512;
 /// CTA of the row to finish; larger ones by the merge kernel (kernels/topk.cu CAP).
 const FUSED_MAX_CANDIDATES: usize = 2048;
 
-/// Dynamic shared memory of the chunk kernel for logits of `elem_bytes` bytes: the staging buffer of one
-/// chunk (kernels/topk.cu stage_chunk).
-pub(crate) const fn stage_bytes(elem_bytes: usize) -> usize {
-    LSE_CHUNK * elem_bytes
-}
-
 /// Device outputs of top-K: `[rows, K]` ids and log-probs, `[rows]` lse and status words.
 pub struct DeviceTopK {
     /// Rows the buffers hold (the plan's maximum).
@@ -68,8 +62,6 @@ pub struct TopKPlan {
     /// Per row, how many of its chunks have finished in the running launch; the merging CTA sets it back
     /// to zero, so it is zero between launches.
     arrivals: CudaSlice<u32>,
-    /// Chunk-kernel CTAs resident on the device at once, for f32 and bf16 logits: the persistent grid.
-    resident: [u32; 2],
 }
 
 impl TopKPlan {
@@ -84,7 +76,7 @@ impl TopKPlan {
             ));
         }
         if rows == 0 || rows > 65_535 {
-            return Err(Error::param("rows", rows, "bs * L must be in 1..=65535"));
+            return Err(Error::param("rows", rows, "bs * L must be in 1..=65535 (the grid's y dimension)"));
         }
         let chunks = vocab.div_ceil(LSE_CHUNK);
         Ok(TopKPlan {
@@ -98,10 +90,6 @@ impl TopKPlan {
             chunk_kth: gpu.zeros(rows * chunks)?,
             chunk_flags: gpu.zeros(rows * chunks)?,
             arrivals: gpu.zeros(rows)?,
-            resident: [
-                gpu.resident_ctas(&gpu.kernels.topk_chunk_f32, CHUNK_THREADS, stage_bytes(4))?,
-                gpu.resident_ctas(&gpu.kernels.topk_chunk_bf16, CHUNK_THREADS, stage_bytes(2))?,
-            ],
         })
     }
 
@@ -135,31 +123,29 @@ impl TopKPlan {
         let (vocab, k, chunks) = (to_i32("vocab", self.vocab)?, self.k as i32, self.chunks as i32);
         let fused = self.chunks * self.k <= FUSED_MAX_CANDIDATES;
         let fuse = i32::from(fused);
-        let items = (rows * self.chunks) as u32;
-        let chunk_cfg = |resident: u32, elem_bytes: usize| LaunchConfig {
-            grid_dim: (items.min(resident), 1, 1),
+        let chunk_cfg = LaunchConfig {
+            grid_dim: (self.chunks as u32, rows as u32, 1),
             block_dim: (CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: stage_bytes(elem_bytes) as u32,
+            shared_mem_bytes: 0,
         };
-        let rows_i32 = rows as i32;
         let stream = gpu.stream();
         let kernels = &gpu.kernels;
         match logits {
             DeviceLogits::F32(x) => {
                 let mut b = stream.launch_builder(&kernels.topk_chunk_f32);
-                b.arg(x).arg(&vocab).arg(&rows_i32).arg(&k);
+                b.arg(x).arg(&vocab).arg(&k);
                 b.arg(&mut self.cand).arg(&mut self.chunk_max).arg(&mut self.chunk_sum);
                 b.arg(&mut self.chunk_kth).arg(&mut self.chunk_flags).arg(&fuse).arg(&mut self.arrivals);
                 b.arg(&mut out.ids).arg(&mut out.logp).arg(&mut out.lse).arg(&mut out.status);
-                unsafe { b.launch(chunk_cfg(self.resident[0], 4)) }.map_err(|e| cuda_err("topk_chunk_f32", e))?;
+                unsafe { b.launch(chunk_cfg) }.map_err(|e| cuda_err("topk_chunk_f32", e))?;
             }
             DeviceLogits::Bf16(x) => {
                 let mut b = stream.launch_builder(&kernels.topk_chunk_bf16);
-                b.arg(x).arg(&vocab).arg(&rows_i32).arg(&k);
+                b.arg(x).arg(&vocab).arg(&k);
                 b.arg(&mut self.cand).arg(&mut self.chunk_max).arg(&mut self.chunk_sum);
                 b.arg(&mut self.chunk_kth).arg(&mut self.chunk_flags).arg(&fuse).arg(&mut self.arrivals);
                 b.arg(&mut out.ids).arg(&mut out.logp).arg(&mut out.lse).arg(&mut out.status);
-                unsafe { b.launch(chunk_cfg(self.resident[1], 2)) }.map_err(|e| cuda_err("topk_chunk_bf16", e))?;
+                unsafe { b.launch(chunk_cfg) }.map_err(|e| cuda_err("topk_chunk_bf16", e))?;
             }
         }
         gpu.after_launch("topk_chunk")?;
