@@ -10,7 +10,9 @@
 // counting (one thread a candidate), up to 256 go through one warp's 8-bit radix select, more through the
 // CTA's (one barrier a round); each finds the exact K best composite keys (value descending, index
 // ascending). Chunks with more than CAP values at the bound (many equal logits) select over the whole
-// chunk instead. The chunk writes its max, exp-sum and K best keys (unordered).
+// chunk instead. The chunk writes its max, exp-sum and K best keys (unordered); in a row merged inside
+// topk_chunk (below), a chunk of at most 2K candidates writes them all unselected instead, since one
+// select over the row's candidates costs less than one in every chunk.
 // The merge selects the K best of a row's chunk candidates with the same radix select, ranks them and
 // combines the chunk sums into the row's lse. Rows of at most CAP chunk candidates (chunks * K) are
 // merged inside topk_chunk by the last CTA of the row to finish (a per-row arrival count), while other
@@ -38,6 +40,9 @@ constexpr int MERGE_SLOTS = MERGE_ITEMS * THREADS;
 constexpr int MAX_K = 512;
 constexpr int MAX_CHUNKS = 64;  // V < 2^19 (reference/README.md)
 constexpr int CAP = 2048;  // candidates kept in shared memory; more take a slower path
+// Chunk slots of a row merged inside topk_chunk (chunks * 2K at most; the launcher checks): each chunk of
+// such a row writes up to 2K candidates unselected, zeros after them.
+constexpr int FUSED_SLOTS = 2 * CAP;
 // Up to RANK_MAX chunk candidates are ranked by counting (n^2 compares, cheapest for few), up to
 // WARP_SELECT_MAX by one warp's radix select, more by the whole CTA's.
 constexpr int RANK_MAX = 64;
@@ -340,6 +345,18 @@ struct SmemKeys {
     }
 };
 
+// The first n keys of a global buffer, slot i * NT + tid for item i of this thread, read through L2
+// (other CTAs of the launch wrote them).
+template <int NT, int ITEMS>
+struct GlobalKeys {
+    const u64* buf;
+    unsigned int n;
+    __device__ __forceinline__ u64 get(int i) const {
+        const unsigned int idx = i * NT + threadIdx.x;
+        return idx < n ? __ldcg(buf + idx) : 0ull;
+    }
+};
+
 // One round's end in the radix selects: takes the picked digit into t and moves (shift, fixed) to the
 // next digit below it, skipping the bits every key shares. Returns false when t is final: the pick found
 // fewer than `need` keys, the digit holds exactly the keys still needed, or no differing bit is left.
@@ -556,13 +573,15 @@ __device__ u64 warp_select(const u64* cand, unsigned int n, unsigned int k, u64 
 }
 
 // The merge of topk_merge, done by the last CTA of a row to finish its chunk, with this CTA's threads and
-// shared memory, for rows of at most CAP chunk candidates (chunks * K <= CAP, which the launcher checks).
-// It reads every chunk's results back from memory in chunk order, as topk_merge does, so what it writes
-// does not depend on which CTA merges. The chunk K-th keys give a bound at or below the row's K-th key; the
-// candidates that reach it are gathered in shared memory and, when more than K, cut to K by the radix
-// select; a key's rank among the K is the number of larger ones (keys are distinct).
+// shared memory, over the row's chunks * slots chunk slots (at most FUSED_SLOTS, which the launcher
+// checks). It reads every chunk's results back from memory in chunk order, as topk_merge does, so what it
+// writes does not depend on which CTA merges. The chunk bounds give a bound at or below the row's K-th
+// key; the candidates that reach it are gathered in shared memory (up to CAP; more are selected where they
+// lie, through L2) and, when more than K, cut to K by the radix select; a key's rank among the K is the
+// number of larger ones (keys are distinct).
 __device__ void merge_row(const u64* cand, const float* chunk_max, const u64* chunk_sum, const u64* chunk_kth,
-                          const int* chunk_flags, int row, int chunks, unsigned int k, int* __restrict__ top_ids,
+                          const int* chunk_flags, int row, int chunks, unsigned int k, unsigned int slots,
+                          int* __restrict__ top_ids,
                           float* __restrict__ top_logp, float* __restrict__ lse_out, int* __restrict__ row_status,
                           ChunkSmem& sm) {
     constexpr int ITEMS = CAP / CHUNK_THREADS;  // chunk candidates a thread gathers
@@ -584,28 +603,35 @@ __device__ void merge_row(const u64* cand, const float* chunk_max, const u64* ch
             sm.merge_top = top;
         }
     }
-    // Loads first, all ITEMS of them in flight, while warp 0 combines the lse.
-    const u64* row_cand = cand + first * k;
-    const unsigned int total = (unsigned)chunks * k;
+    // Loads first, ITEMS of them in flight a batch (the first while warp 0 combines the lse); every key
+    // that reaches lo is counted, those past CAP are not stored.
+    const u64* row_cand = cand + first * slots;
+    const unsigned int total = (unsigned)chunks * slots;
     u64 x[ITEMS];
+    auto load_batch = [&](unsigned int from) {
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        const unsigned int f = i * CHUNK_THREADS + tid;
-        x[i] = f < total ? __ldcg(row_cand + f) : 0ull;
-    }
+        for (int i = 0; i < ITEMS; ++i) {
+            const unsigned int f = from + i * CHUNK_THREADS + tid;
+            x[i] = f < total ? __ldcg(row_cand + f) : 0ull;
+        }
+    };
+    load_batch(0);
     __syncthreads();
     const u64 lo = sm.merge_lo;  // >= 1, so empty slots (0) never pass
     const u64 hi = ((u64)order_key(sm.merge_top) << 32) | 0xFFFFFFFFull;
+    for (unsigned int from = 0; from < total; from += ITEMS * CHUNK_THREADS) {
+        if (from != 0) load_batch(from);
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        const bool sel = x[i] >= lo;
-        const unsigned int mask = __ballot_sync(FULL_MASK, sel);
-        if (mask == 0) continue;
-        const int leader = __ffs(mask) - 1;
-        unsigned int at = 0;
-        if (lane == leader) at = atomicAdd(&sm.count, (unsigned)__popc(mask));
-        at = __shfl_sync(FULL_MASK, at, leader) + __popc(mask & ((1u << lane) - 1));
-        if (sel && at < (unsigned)CAP) sm.cand[at] = x[i];  // at < total <= CAP when the launcher fuses
+        for (int i = 0; i < ITEMS; ++i) {
+            const bool sel = x[i] >= lo;
+            const unsigned int mask = __ballot_sync(FULL_MASK, sel);
+            if (mask == 0) continue;
+            const int leader = __ffs(mask) - 1;
+            unsigned int at = 0;
+            if (lane == leader) at = atomicAdd(&sm.count, (unsigned)__popc(mask));
+            at = __shfl_sync(FULL_MASK, at, leader) + __popc(mask & ((1u << lane) - 1));
+            if (sel && at < (unsigned)CAP) sm.cand[at] = x[i];
+        }
     }
     __syncthreads();
     const unsigned int n = sm.count;
@@ -615,14 +641,21 @@ __device__ void merge_row(const u64* cand, const float* chunk_max, const u64* ch
         u64 same_mask, same_bits;  // indices are below chunks * CHUNK
         index_bits(0u, (uint32_t)(chunks * CHUNK - 1), same_mask, same_bits);
         // A round looks at every slot a thread may hold: half of them when they hold every key.
-        constexpr int HALF = ITEMS / 2;
-        const u64 t = n <= (unsigned)(HALF * CHUNK_THREADS)
-                          ? block_radix_kth<CHUNK_THREADS, HALF>(SmemKeys<CHUNK_THREADS, HALF>{sm.cand, n}, k, lo, hi,
-                                                                 same_mask, same_bits, sm.select_hist, &sm.pick)
-                          : block_radix_kth<CHUNK_THREADS, ITEMS>(SmemKeys<CHUNK_THREADS, ITEMS>{sm.cand, n}, k, lo,
-                                                                  hi, same_mask, same_bits, sm.select_hist, &sm.pick);
-        for (unsigned int i = tid; i < n; i += CHUNK_THREADS) {
-            const u64 y = sm.cand[i];
+        constexpr int HALF = ITEMS / 2, ALL_SLOTS = FUSED_SLOTS / CHUNK_THREADS;
+        u64 t;
+        if (n > (unsigned)CAP)
+            t = block_radix_kth<CHUNK_THREADS, ALL_SLOTS>(GlobalKeys<CHUNK_THREADS, ALL_SLOTS>{row_cand, total}, k,
+                                                          lo, hi, same_mask, same_bits, sm.select_hist, &sm.pick);
+        else if (n <= (unsigned)(HALF * CHUNK_THREADS))
+            t = block_radix_kth<CHUNK_THREADS, HALF>(SmemKeys<CHUNK_THREADS, HALF>{sm.cand, n}, k, lo, hi, same_mask,
+                                                     same_bits, sm.select_hist, &sm.pick);
+        else
+            t = block_radix_kth<CHUNK_THREADS, ITEMS>(SmemKeys<CHUNK_THREADS, ITEMS>{sm.cand, n}, k, lo, hi,
+                                                      same_mask, same_bits, sm.select_hist, &sm.pick);
+        // The keys at or above t: from shared memory, or from every slot when not all of them fit there.
+        const bool stored = n <= (unsigned)CAP;
+        for (unsigned int i = tid; i < (stored ? n : total); i += CHUNK_THREADS) {
+            const u64 y = stored ? sm.cand[i] : __ldcg(row_cand + i);
             if (y >= t) {
                 const unsigned int at = atomicAdd(&sm.taken, 1u);
                 if (at < k) sm.merge.acc[at] = y;
@@ -704,8 +737,8 @@ __device__ u64 chunk_select_all(const T* __restrict__ row, int base, int len, in
 
 template <typename T>
 __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_wanted, u64* cand, float* chunk_max,
-                             u64* chunk_sum, u64* chunk_kth, int* chunk_flags, int fuse, unsigned int* arrivals,
-                             int* top_ids, float* top_logp, float* lse_out, int* row_status) {
+                             u64* chunk_sum, u64* chunk_kth, int* chunk_flags, int fused_slots,
+                             unsigned int* arrivals, int* top_ids, float* top_logp, float* lse_out, int* row_status) {
     constexpr int VEC = 16 / sizeof(T);
     constexpr int GROUPS_PER_THREAD = CHUNK_ITEMS / GROUP_ITEMS;
     __shared__ ChunkSmem sm;
@@ -716,6 +749,8 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
     const T* row_ptr = logits + (size_t)row * vocab;
     const bool vec_ok = (vocab % VEC) == 0 && ((uintptr_t)logits % 16) == 0;
     const unsigned int k = (unsigned)k_wanted;
+    // Slots of this chunk's results: K, or with a fused merge, room for the usual candidates unselected.
+    const unsigned int slots = fused_slots != 0 ? (unsigned)fused_slots : k;
 
     float vals[CHUNK_ITEMS];
     load_chunk<T>(row_ptr, base, len, vec_ok, vals);
@@ -876,14 +911,16 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
     const unsigned int n = sm.count;
 
     const size_t slot = (size_t)row * chunks + chunk;
-    u64* out = cand + slot * k;
+    u64* out = cand + slot * slots;
     u64 kth = 1;
     if (n > (unsigned)CAP) {
         kth = chunk_select_all<T>(row_ptr, base, len, k_wanted, out, sm);
-    } else if (n <= k) {
-        // Every candidate is among the K best; with exactly K, the bound is at or below the K-th of them.
-        for (unsigned int i = tid; i < k; i += CHUNK_THREADS) out[i] = i < n ? sm.cand[i] : 0ull;
-        if (n == k) kth = max((u64)bound << 32, 1ull);
+    } else if (n <= slots) {
+        // The candidates go out unselected, zeros after them: with slots K, they are all among the K best;
+        // with more, the row's merge selects. Whenever the chunk has K real groups, their maxima reach the
+        // bound, so the bound is at or below the chunk's K-th key; otherwise it is 0.
+        for (unsigned int i = tid; i < slots; i += CHUNK_THREADS) out[i] = i < n ? sm.cand[i] : 0ull;
+        kth = max((u64)bound << 32, 1ull);
     } else if (n <= (unsigned)RANK_MAX) {
         // Few candidates: a thread ranks one by counting the larger ones (keys are distinct), which costs
         // far fewer instructions than radix rounds over all CAP slots; the K best land at their ranks.
@@ -927,6 +964,9 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
             }
         }
     }
+    // The exact paths write K keys; the slots after them hold nothing.
+    if (n > slots)
+        for (unsigned int i = k + tid; i < slots; i += CHUNK_THREADS) out[i] = 0ull;
     if (tid == 0) {
         u64 sum = 0;
 #pragma unroll
@@ -936,7 +976,7 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
         chunk_kth[slot] = kth;
         chunk_flags[slot] = status_of_keys(hi, lo);
     }
-    if (!fuse) return;
+    if (fused_slots == 0) return;
     // Count this chunk in, the pattern of a grid barrier: after the CTA's barrier, one thread's fence
     // makes every thread's writes of the chunk results visible device-wide before the count (release); the
     // CTA that brings the count to `chunks` merges the row, after a second fence so that it sees every
@@ -955,8 +995,8 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
     }
     __syncthreads();
     if (!sm.last) return;
-    merge_row(cand, chunk_max, chunk_sum, chunk_kth, chunk_flags, row, chunks, k, top_ids, top_logp, lse_out,
-              row_status, sm);
+    merge_row(cand, chunk_max, chunk_sum, chunk_kth, chunk_flags, row, chunks, k, slots, top_ids, top_logp,
+              lse_out, row_status, sm);
 }
 
 struct MergeSmem {
@@ -1109,18 +1149,18 @@ __device__ void merge_kernel(const u64* __restrict__ cand, const float* __restri
 
 extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, kdt::topk::CHUNK_MIN_BLOCKS)
     topk_chunk_f32(const float* logits, int vocab, int k, kdt::u64* cand, float* chunk_max, kdt::u64* chunk_sum,
-                   kdt::u64* chunk_kth, int* chunk_flags, int fuse, unsigned int* arrivals, int* top_ids,
+                   kdt::u64* chunk_kth, int* chunk_flags, int fused_slots, unsigned int* arrivals, int* top_ids,
                    float* top_logp, float* lse, int* row_status) {
-    kdt::topk::chunk_kernel<float>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags, fuse,
+    kdt::topk::chunk_kernel<float>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags, fused_slots,
                                    arrivals, top_ids, top_logp, lse, row_status);
 }
 
 extern "C" __global__ void __launch_bounds__(kdt::topk::CHUNK_THREADS, kdt::topk::CHUNK_MIN_BLOCKS)
     topk_chunk_bf16(const __nv_bfloat16* logits, int vocab, int k, kdt::u64* cand, float* chunk_max,
-                    kdt::u64* chunk_sum, kdt::u64* chunk_kth, int* chunk_flags, int fuse, unsigned int* arrivals,
+                    kdt::u64* chunk_sum, kdt::u64* chunk_kth, int* chunk_flags, int fused_slots, unsigned int* arrivals,
                     int* top_ids, float* top_logp, float* lse, int* row_status) {
     kdt::topk::chunk_kernel<__nv_bfloat16>(logits, vocab, k, cand, chunk_max, chunk_sum, chunk_kth, chunk_flags,
-                                           fuse, arrivals, top_ids, top_logp, lse, row_status);
+                                           fused_slots, arrivals, top_ids, top_logp, lse, row_status);
 }
 
 extern "C" __global__ void __launch_bounds__(kdt::topk::THREADS)

@@ -154,6 +154,44 @@ mod gpu {
         }
     }
 
+    /// Logits of V 163840 (20 chunks, so K 64 merges inside the chunk kernel, over 128 slots a chunk)
+    /// where each chunk holds `per_chunk[c]` copies of 10.0, one in each of as many groups of 16 values
+    /// (f32 element 4t is item 0 of thread t, so one per thread), over smaller distinct values.
+    fn planted_ties(per_chunk: &[usize]) -> Vec<f32> {
+        let mut x = smooth_logits(5, 163_840);
+        for (c, &n) in per_chunk.iter().enumerate() {
+            for t in 0..n {
+                x[c * 8192 + 4 * t] = 10.0;
+            }
+        }
+        x
+    }
+
+    #[test]
+    fn gpu_matches_cpu_when_a_merge_has_more_candidates_than_shared_memory() {
+        let Some(gpu) = gpu() else { return };
+        // 128 candidates in every chunk, all equal: each chunk writes its 128 unselected and every one of
+        // the row's 2560 reaches the merge's bound, more than the 2048 it holds in shared memory.
+        let x = planted_ties(&[128; 20]);
+        let cpu = topk_logsumexp(Logits::F32(&x), 1, 1, 163_840, 64).unwrap();
+        check_same(&cpu, &gpu.topk_logsumexp(Logits::F32(&x), 1, 1, 163_840, 64).unwrap());
+        assert!(cpu.ids.iter().all(|&id| id < 8192 && id % 4 == 0), "the first chunk's ties win");
+    }
+
+    #[test]
+    fn gpu_matches_cpu_when_some_chunks_select_exactly() {
+        let Some(gpu) = gpu() else { return };
+        // 200 candidates (over 128 slots) make chunks 1 and 7 select their 64 best and leave the rest of
+        // their slots empty; the others write theirs unselected.
+        let mut per_chunk = [0usize; 20];
+        per_chunk[1] = 200;
+        per_chunk[7] = 200;
+        per_chunk[3] = 100;
+        let x = planted_ties(&per_chunk);
+        let cpu = topk_logsumexp(Logits::F32(&x), 1, 1, 163_840, 64).unwrap();
+        check_same(&cpu, &gpu.topk_logsumexp(Logits::F32(&x), 1, 1, 163_840, 64).unwrap());
+    }
+
     #[test]
     fn a_plan_runs_again_on_fewer_rows() {
         use kdtree_engine::cuda::topk::TopKPlan;

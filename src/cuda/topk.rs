@@ -16,6 +16,9 @@ pub const MAX_K: usize = 512;
 /// Rows of at most this many chunk candidates (chunks * K) are merged inside the chunk kernel, by the last
 /// CTA of the row to finish; larger ones by the merge kernel (kernels/topk.cu CAP).
 const FUSED_MAX_CANDIDATES: usize = 2048;
+/// Result slots of a chunk in a row merged inside the chunk kernel, per K: room for the usual candidates
+/// (about 1.4 K on random logits), which then go out unselected (kernels/topk.cu FUSED_SLOTS).
+const FUSED_SLOTS_PER_K: usize = 2;
 
 /// Device outputs of top-K: `[rows, K]` ids and log-probs, `[rows]` lse and status words.
 pub struct DeviceTopK {
@@ -84,13 +87,26 @@ impl TopKPlan {
             vocab,
             k,
             chunks,
-            cand: gpu.zeros(rows * chunks * k)?,
+            cand: gpu.zeros(rows * chunks * Self::slots(chunks, k))?,
             chunk_max: gpu.zeros(rows * chunks)?,
             chunk_sum: gpu.zeros(rows * chunks)?,
             chunk_kth: gpu.zeros(rows * chunks)?,
             chunk_flags: gpu.zeros(rows * chunks)?,
             arrivals: gpu.zeros(rows)?,
         })
+    }
+
+    /// Result slots of each chunk: 2K in rows merged inside the chunk kernel, else K.
+    fn slots(chunks: usize, k: usize) -> usize {
+        if Self::fused(chunks, k) {
+            FUSED_SLOTS_PER_K * k
+        } else {
+            k
+        }
+    }
+
+    fn fused(chunks: usize, k: usize) -> bool {
+        chunks * k <= FUSED_MAX_CANDIDATES
     }
 
     /// Device buffers for this plan's outputs.
@@ -121,8 +137,8 @@ impl TopKPlan {
         check_len("lse", out.lse.len(), &[("rows", out.rows)])?;
         check_len("status", out.status.len(), &[("rows", out.rows)])?;
         let (vocab, k, chunks) = (to_i32("vocab", self.vocab)?, self.k as i32, self.chunks as i32);
-        let fused = self.chunks * self.k <= FUSED_MAX_CANDIDATES;
-        let fuse = i32::from(fused);
+        let fused = Self::fused(self.chunks, self.k);
+        let fused_slots = if fused { Self::slots(self.chunks, self.k) as i32 } else { 0 };
         let chunk_cfg = LaunchConfig {
             grid_dim: (self.chunks as u32, rows as u32, 1),
             block_dim: (CHUNK_THREADS, 1, 1),
@@ -135,7 +151,7 @@ impl TopKPlan {
                 let mut b = stream.launch_builder(&kernels.topk_chunk_f32);
                 b.arg(x).arg(&vocab).arg(&k);
                 b.arg(&mut self.cand).arg(&mut self.chunk_max).arg(&mut self.chunk_sum);
-                b.arg(&mut self.chunk_kth).arg(&mut self.chunk_flags).arg(&fuse).arg(&mut self.arrivals);
+                b.arg(&mut self.chunk_kth).arg(&mut self.chunk_flags).arg(&fused_slots).arg(&mut self.arrivals);
                 b.arg(&mut out.ids).arg(&mut out.logp).arg(&mut out.lse).arg(&mut out.status);
                 unsafe { b.launch(chunk_cfg) }.map_err(|e| cuda_err("topk_chunk_f32", e))?;
             }
@@ -143,7 +159,7 @@ impl TopKPlan {
                 let mut b = stream.launch_builder(&kernels.topk_chunk_bf16);
                 b.arg(x).arg(&vocab).arg(&k);
                 b.arg(&mut self.cand).arg(&mut self.chunk_max).arg(&mut self.chunk_sum);
-                b.arg(&mut self.chunk_kth).arg(&mut self.chunk_flags).arg(&fuse).arg(&mut self.arrivals);
+                b.arg(&mut self.chunk_kth).arg(&mut self.chunk_flags).arg(&fused_slots).arg(&mut self.arrivals);
                 b.arg(&mut out.ids).arg(&mut out.logp).arg(&mut out.lse).arg(&mut out.status);
                 unsafe { b.launch(chunk_cfg) }.map_err(|e| cuda_err("topk_chunk_bf16", e))?;
             }
