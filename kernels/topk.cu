@@ -190,11 +190,22 @@ __device__ unsigned int select_top(const Keys& keys, int k_wanted, u64 lo_hint, 
     return block_compact<ITEMS>(keys, lo, shift, t, false, out, s);
 }
 
-// 0xFFFFFFFF when a >= b, else 0 (also for NaN): one FSET, where a compare and a select would take two.
-__device__ __forceinline__ uint32_t ge_mask(float a, float b) {
+// (acc << 1) | sign bit of d: one funnel shift appends a value's sign to a mask.
+__device__ __forceinline__ uint32_t append_sign(uint32_t acc, float d) {
     uint32_t r;
-    asm("set.ge.u32.f32 %0, %1, %2;" : "=r"(r) : "f"(a), "f"(b));
+    asm("shf.l.clamp.b32 %0, %1, %2, 1;" : "=r"(r) : "r"(__float_as_uint(d)), "r"(acc));
     return r;
+}
+
+// Bit j set iff v[j] >= t, for GROUP_ITEMS values, in two instructions a value (a compare, a select and an
+// or take three): the sign of v[j] - t_sub is clear iff v[j] >= t, with t_sub = t except -0.0 for a zero t
+// (so that -0.0 - t_sub is +0.0). A difference of floats is zero only when they are equal; NaN values
+// (whose rows are errors) may pass.
+__device__ __forceinline__ uint32_t ge_bits(const float* v, float t_sub) {
+    uint32_t signs = 0;
+#pragma unroll
+    for (int j = GROUP_ITEMS - 1; j >= 0; --j) signs = append_sign(signs, __fsub_rn(v[j], t_sub));
+    return ~signs & ((1u << GROUP_ITEMS) - 1);
 }
 
 // acc - (x < y) for u64 x, y: the borrow of x - y, taken by a subtraction with borrow-in (three
@@ -603,24 +614,20 @@ __device__ void merge_row(const u64* cand, const float* chunk_max, const u64* ch
             sm.merge_top = top;
         }
     }
-    // Loads first, ITEMS of them in flight a batch (the first while warp 0 combines the lse); every key
-    // that reaches lo is counted, those past CAP are not stored.
+    // ITEMS loads in flight a batch; every key that reaches lo is counted, those past CAP are not stored.
     const u64* row_cand = cand + first * slots;
     const unsigned int total = (unsigned)chunks * slots;
-    u64 x[ITEMS];
-    auto load_batch = [&](unsigned int from) {
+    __syncthreads();
+    const u64 lo = sm.merge_lo;  // >= 1, so empty slots (0) never pass
+    const u64 hi = ((u64)order_key(sm.merge_top) << 32) | 0xFFFFFFFFull;
+#pragma unroll 1
+    for (unsigned int from = 0; from < total; from += ITEMS * CHUNK_THREADS) {
+        u64 x[ITEMS];
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
             const unsigned int f = from + i * CHUNK_THREADS + tid;
             x[i] = f < total ? __ldcg(row_cand + f) : 0ull;
         }
-    };
-    load_batch(0);
-    __syncthreads();
-    const u64 lo = sm.merge_lo;  // >= 1, so empty slots (0) never pass
-    const u64 hi = ((u64)order_key(sm.merge_top) << 32) | 0xFFFFFFFFull;
-    for (unsigned int from = 0; from < total; from += ITEMS * CHUNK_THREADS) {
-        if (from != 0) load_batch(from);
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
             const bool sel = x[i] >= lo;
@@ -858,19 +865,21 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
     // value j of group g, so that writing costs a loop over the candidates rather than over every value
     // of a passing group (in a warp, some lane's group passes far more often than some value of it).
     const float threshold = bound <= NEG_INF_KEY ? -INFINITY : key_value(bound);
-    const bool full = len == CHUNK;
+    const float t_sub = threshold == 0.0f ? -0.0f : threshold;
+    uint32_t real_bits[GROUPS_PER_THREAD];  // the values of each group inside the chunk
+#pragma unroll
+    for (int g = 0; g < GROUPS_PER_THREAD; ++g) real_bits[g] = (1u << GROUP_ITEMS) - 1;
+    if (len < CHUNK) {
+#pragma unroll
+        for (int i = 0; i < CHUNK_ITEMS; ++i)
+            if (item_index<T>(i) >= len) real_bits[i / GROUP_ITEMS] &= ~(1u << (i % GROUP_ITEMS));
+    }
     uint32_t pass[GROUPS_PER_THREAD];
     unsigned int mine = 0;
 #pragma unroll
     for (int g = 0; g < GROUPS_PER_THREAD; ++g) {
         uint32_t bits = 0;
-        if (group_max[g] >= threshold) {
-#pragma unroll
-            for (int j = 0; j < GROUP_ITEMS; ++j) {
-                const int i = g * GROUP_ITEMS + j;
-                bits |= ge_mask(vals[i], threshold) & (full || item_index<T>(i) < len ? 1u << j : 0u);
-            }
-        }
+        if (group_max[g] >= threshold) bits = ge_bits(&vals[g * GROUP_ITEMS], t_sub) & real_bits[g];
         pass[g] = bits;
         mine += __popc(bits);
     }
