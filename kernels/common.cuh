@@ -66,11 +66,11 @@ __device__ __forceinline__ float expd_scaled(float d) {
     const float km = __fmaf_rn(d, log2e, magic);
     const float k = __fsub_rn(km, magic);
     const float r = __fmaf_rn(-k, ln2, d);
-    const uint32_t coeff[7] = {0x3AB57398u, 0x3C0933C1u, 0x3D2AAC11u, 0x3E2AAA0Du,  // C6 .. C3
-                               0x3EFFFFFEu, 0x3F800000u, 0x3F800000u};             // C2 .. C0
+    const uint32_t coeff[6] = {0x3C07D41Au, 0x3D2B9D2Au, 0x3E2AAD35u,   // C5 .. C3
+                               0x3EFFFEE3u, 0x3F7FFFFBu, 0x3F800000u};  // C2 .. C0
     float p = __uint_as_float(coeff[0] + SCALE);
 #pragma unroll
-    for (int i = 1; i < 7; ++i) p = __fmaf_rn(p, r, __uint_as_float(coeff[i] + SCALE));
+    for (int i = 1; i < 6; ++i) p = __fmaf_rn(p, r, __uint_as_float(coeff[i] + SCALE));
     return __uint_as_float(__float_as_uint(p) + ((uint32_t)__float_as_int(km) << 23));
 }
 

@@ -37,8 +37,8 @@ def kernel_scaled(d, e):
     k = km - MAGIC
     r = fma32(-k, LN2, d)
     scaled = [F32(np.uint32(f32_bits(c) + (e << 23)).view(F32)) for c in POLY]
-    p = np.full_like(d, scaled[6])
-    for c in reversed(scaled[:6]):
+    p = np.full_like(d, scaled[-1])
+    for c in reversed(scaled[:-1]):
         p = fma32(p, r, c)
     return (p.view(np.uint32) + (km.view(np.uint32) << np.uint32(23))).view(F32)
 
