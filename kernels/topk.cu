@@ -921,6 +921,9 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
 
     const size_t slot = (size_t)row * chunks + chunk;
     u64* out = cand + slot * slots;
+    // The exact paths below write K keys; the slots after them hold nothing.
+    if (n > slots)
+        for (unsigned int i = k + tid; i < slots; i += CHUNK_THREADS) out[i] = 0ull;
     u64 kth = 1;
     if (n > (unsigned)CAP) {
         kth = chunk_select_all<T>(row_ptr, base, len, k_wanted, out, sm);
@@ -973,9 +976,6 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
             }
         }
     }
-    // The exact paths write K keys; the slots after them hold nothing.
-    if (n > slots)
-        for (unsigned int i = k + tid; i < slots; i += CHUNK_THREADS) out[i] = 0ull;
     if (tid == 0) {
         u64 sum = 0;
 #pragma unroll
