@@ -345,28 +345,21 @@ struct PlainKeys {
     __device__ __forceinline__ u64 get(int i) const { return key[i]; }
 };
 
-// The first n keys of a shared-memory buffer, slot i * NT + tid for item i of this thread.
-template <int NT, int ITEMS>
-struct SmemKeys {
+// The first n keys of a buffer, slot i * NT + tid for item i of this thread: in shared memory, or with
+// THROUGH_L2 in global memory that other CTAs of the launch wrote.
+template <int NT, int ITEMS, bool THROUGH_L2>
+struct SlotKeys {
     const u64* buf;
     unsigned int n;
     __device__ __forceinline__ u64 get(int i) const {
         const unsigned int idx = i * NT + threadIdx.x;
-        return idx < n ? buf[idx] : 0ull;
+        return idx < n ? (THROUGH_L2 ? __ldcg(buf + idx) : buf[idx]) : 0ull;
     }
 };
-
-// The first n keys of a global buffer, slot i * NT + tid for item i of this thread, read through L2
-// (other CTAs of the launch wrote them).
 template <int NT, int ITEMS>
-struct GlobalKeys {
-    const u64* buf;
-    unsigned int n;
-    __device__ __forceinline__ u64 get(int i) const {
-        const unsigned int idx = i * NT + threadIdx.x;
-        return idx < n ? __ldcg(buf + idx) : 0ull;
-    }
-};
+using SmemKeys = SlotKeys<NT, ITEMS, false>;
+template <int NT, int ITEMS>
+using GlobalKeys = SlotKeys<NT, ITEMS, true>;
 
 // One round's end in the radix selects: takes the picked digit into t and moves (shift, fixed) to the
 // next digit below it, skipping the bits every key shares. Returns false when t is final: the pick found
