@@ -2,8 +2,8 @@
 //
 // topk_chunk: one CTA of 256 threads per (chunk of 8192 logits, row) reads its chunk once
 // and keeps it in registers (32 values a thread, loaded as 16-byte vectors). Most of the work is each
-// value's exact fixed-point exp term (about 23 instructions); the selection is kept to a few instructions
-// a value. The maxima of the chunk's 512 groups of 16 values give, by a one- or two-round histogram of
+// value's exact fixed-point exp term (13 instructions); the selection is kept to a few instructions a
+// value. The maxima of the chunk's 512 groups of 16 values give, by a one- or two-round histogram of
 // their order keys, a bound at or below the chunk's K-th value (K group maxima reach it); only groups whose
 // max reaches the bound look at their values (a bit mask a group), and the few values that pass (about K
 // to 1.4K on random logits) are placed in shared memory by a warp scan. Up to 64 of them are ranked by
@@ -14,8 +14,8 @@
 // topk_chunk (below), a chunk of at most 2K candidates writes them all unselected instead, since one
 // select over the row's candidates costs less than one in every chunk.
 // The merge selects the K best of a row's chunk candidates with the same radix select, ranks them and
-// combines the chunk sums into the row's lse. Rows of at most CAP chunk candidates (chunks * K) are
-// merged inside topk_chunk by the last CTA of the row to finish (a per-row arrival count), while other
+// combines the chunk sums into the row's lse. Rows of chunks * K <= CAP (so chunks * 2K <= FUSED_SLOTS
+// slots) are merged inside topk_chunk by the last CTA of the row to finish (a per-row arrival count), while other
 // rows' chunks still stream; larger rows by a second launch, topk_merge: one CTA per row, selecting over
 // all candidates in registers when they are too many for shared memory, else over those gathered at or
 // above the best chunk K-th key.
@@ -29,8 +29,8 @@ constexpr int CHUNK = 8192;
 constexpr int CHUNK_THREADS = 256;
 constexpr int CHUNK_WARPS = CHUNK_THREADS / 32;
 constexpr int CHUNK_ITEMS = CHUNK / CHUNK_THREADS;  // per thread, in registers
-// CTAs an SM should hold: 4 caps the chunk kernel at 64 registers, where ptxas spills only two words outside
-// the exp loop, for 32 warps an SM rather than 24 at 3 (80 registers) to hide the barriers and loads.
+// CTAs an SM should hold: 4 caps the chunk kernel at 64 registers (enough, without spills, for the f32
+// kernel), for 32 warps an SM rather than 24 at 3 (80 registers) to hide the barriers and loads.
 constexpr int CHUNK_MIN_BLOCKS = 4;
 constexpr int GROUP_ITEMS = 16;
 constexpr int GROUPS = CHUNK / GROUP_ITEMS;
@@ -200,7 +200,7 @@ __device__ __forceinline__ uint32_t append_sign(uint32_t acc, float d) {
 // Bit j set iff v[j] >= t, for GROUP_ITEMS values, in two instructions a value (a compare, a select and an
 // or take three): the sign of v[j] - t_sub is clear iff v[j] >= t, with t_sub = t except -0.0 for a zero t
 // (so that -0.0 - t_sub is +0.0). A difference of floats is zero only when they are equal; NaN values
-// (whose rows are errors) may pass.
+// (whose rows are errors) may pass. For t = -inf the caller takes every value instead: -inf - -inf is NaN.
 __device__ __forceinline__ uint32_t ge_bits(const float* v, float t_sub) {
     uint32_t signs = 0;
 #pragma unroll
@@ -652,7 +652,8 @@ __device__ void merge_row(const u64* cand, const float* chunk_max, const u64* ch
         else
             t = block_radix_kth<CHUNK_THREADS, ITEMS>(SmemKeys<CHUNK_THREADS, ITEMS>{sm.cand, n}, k, lo, hi,
                                                       same_mask, same_bits, sm.select_hist, &sm.pick);
-        // The keys at or above t: from shared memory, or from every slot when not all of them fit there.
+        // The keys at or above t: from shared memory, or from every slot when not all of them fit there
+        // (t >= lo, so the slots below lo, and the empty ones, stay out).
         const bool stored = n <= (unsigned)CAP;
         for (unsigned int i = tid; i < (stored ? n : total); i += CHUNK_THREADS) {
             const u64 y = stored ? sm.cand[i] : __ldcg(row_cand + i);
@@ -872,7 +873,10 @@ __device__ void chunk_kernel(const T* __restrict__ logits, int vocab, int k_want
 #pragma unroll
     for (int g = 0; g < GROUPS_PER_THREAD; ++g) {
         uint32_t bits = 0;
-        if (group_max[g] >= threshold) bits = ge_bits(&vals[g * GROUP_ITEMS], t_sub) & real_bits[g];
+        if (threshold == -INFINITY)
+            bits = real_bits[g];
+        else if (group_max[g] >= threshold)
+            bits = ge_bits(&vals[g * GROUP_ITEMS], t_sub) & real_bits[g];
         pass[g] = bits;
         mine += __popc(bits);
     }

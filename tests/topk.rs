@@ -178,6 +178,38 @@ mod gpu {
         assert!(cpu.ids.iter().all(|&id| id < 8192 && id % 4 == 0), "the first chunk's ties win");
     }
 
+    /// Two copies of 10.0 in each of the 512 groups of every whole chunk of a row of `vocab` values read
+    /// `vec` to a 16-byte vector (item i of thread t is element ((i / vec) * 256 + t) * vec + i % vec):
+    /// 1024 candidates a chunk, the most a chunk writes unselected at K 512.
+    fn ties_in_every_group(vocab: usize, vec: usize) -> Vec<f32> {
+        let mut x = smooth_logits(9, vocab);
+        for chunk in 0..vocab / 8192 {
+            for t in 0..256 {
+                for first_item in [0, 16] {
+                    let e = chunk * 8192 + ((first_item / vec) * 256 + t) * vec;
+                    x[e] = 10.0;
+                    x[e + 1] = 10.0;
+                }
+            }
+        }
+        x
+    }
+
+    #[test]
+    fn gpu_matches_cpu_when_a_merge_over_4096_slots_overflows_with_a_short_last_chunk() {
+        let Some(gpu) = gpu() else { return };
+        // V = 3 * 8192 + 100: four chunks, the last of 100 values; K 512 fills all 4096 slots of the row's
+        // merge, and 3072 ties reach its bound.
+        let v = 3 * 8192 + 100;
+        let x = ties_in_every_group(v, 4);
+        let cpu = topk_logsumexp(Logits::F32(&x), 1, 1, v, 512).unwrap();
+        check_same(&cpu, &gpu.topk_logsumexp(Logits::F32(&x), 1, 1, v, 512).unwrap());
+        let xb: Vec<bf16> = ties_in_every_group(v, 8).into_iter().map(bf16::from_f32).collect();
+        let cpu = topk_logsumexp(Logits::Bf16(&xb), 1, 1, v, 512).unwrap();
+        check_same(&cpu, &gpu.topk_logsumexp(Logits::Bf16(&xb), 1, 1, v, 512).unwrap());
+        assert!(cpu.ids.iter().all(|&id| (id as usize) < 8192), "the first chunk's ties win");
+    }
+
     #[test]
     fn gpu_matches_cpu_when_some_chunks_select_exactly() {
         let Some(gpu) = gpu() else { return };
