@@ -14,8 +14,8 @@
 // topk_chunk (below), a chunk of at most 2K candidates writes them all unselected instead, since one
 // select over the row's candidates costs less than one in every chunk.
 // The merge selects the K best of a row's chunk candidates with the same radix select, ranks them and
-// combines the chunk sums into the row's lse. Rows of chunks * K <= CAP (so chunks * 2K <= FUSED_SLOTS
-// slots) are merged inside topk_chunk by the last CTA of the row to finish (a per-row arrival count), while other
+// combines the chunk sums into the row's lse. Rows of chunks * 2K <= FUSED_SLOTS chunk slots are merged
+// inside topk_chunk by the last CTA of the row to finish (a per-row arrival count), while other
 // rows' chunks still stream; larger rows by a second launch, topk_merge: one CTA per row, selecting over
 // all candidates in registers when they are too many for shared memory, else over those gathered at or
 // above the best chunk K-th key.

@@ -13,13 +13,11 @@ const CHUNK_THREADS: u32 = 256;
 const THREADS: u32 = 512;
 /// Largest K the kernels select (their candidate buffers hold 512 keys).
 pub const MAX_K: usize = 512;
-/// Rows of at most this many chunk candidates (chunks * K) are merged inside the chunk kernel, by the last
-/// CTA of the row to finish; larger ones by the merge kernel (kernels/topk.cu CAP).
-const FUSED_MAX_CANDIDATES: usize = 2048;
 /// Result slots of a chunk in a row merged inside the chunk kernel, per K: room for the usual candidates
 /// (about 1.4 K on random logits), which then go out unselected.
 const FUSED_SLOTS_PER_K: usize = 2;
-/// Slots of all chunks of a row that the in-kernel merge reads (kernels/topk.cu FUSED_SLOTS).
+/// Rows whose chunks have at most this many slots in all are merged inside the chunk kernel, by the last
+/// CTA of the row to finish; larger ones by the merge kernel (kernels/topk.cu FUSED_SLOTS).
 const FUSED_SLOTS: usize = 4096;
 
 /// Device outputs of top-K: `[rows, K]` ids and log-probs, `[rows]` lse and status words.
@@ -108,7 +106,7 @@ impl TopKPlan {
     }
 
     fn fused(chunks: usize, k: usize) -> bool {
-        chunks * k <= FUSED_MAX_CANDIDATES && chunks * FUSED_SLOTS_PER_K * k <= FUSED_SLOTS
+        chunks * FUSED_SLOTS_PER_K * k <= FUSED_SLOTS
     }
 
     /// Device buffers for this plan's outputs.
