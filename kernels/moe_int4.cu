@@ -235,6 +235,7 @@ struct NativeStage {
 // shapes, small ones, load the scales with plain loads).
 struct NativeLayout {
     typedef NativeStage Stage;
+    static constexpr bool INTERLEAVED = false;  // nibble i of a word is element i
     const uint4* piece;                // the lane's group of row l / 4 in the current chunk
     const uint4* base;                 // a valid address for the zero-filling copies past the last group
     const __nv_bfloat16* scale_row;    // row l % 16's scales at the chunk's first group
@@ -286,6 +287,7 @@ struct NativeLayout {
 // global memory, so the copy is two 16-byte pieces per lane plus eight for the scales.
 struct TiledLayout {
     typedef StageTile Stage;
+    static constexpr bool INTERLEAVED = true;  // int4_tile's nibble order
     const uint4* words;   // the lane's first piece of the current chunk
     const uint4* scales;  // the scale piece of lane % 8
 
@@ -322,32 +324,67 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
     return r;
 }
 
-// bf16 pair (lo, hi) = (nibble at bit `shift`, nibble at bit `shift + 16`) - 8, exact: 0x4300 | n is
-// the bf16 128 + n.
-__device__ __forceinline__ uint32_t nibble_pair(uint32_t w, int shift) {
-    uint32_t biased = and_or(w >> shift, 0x000F000Fu, 0x43004300u), bias = 0x43084308u;  // bf16 pair (136, 136)
-    __nv_bfloat162 v =
-        __hsub2(*reinterpret_cast<__nv_bfloat162*>(&biased), *reinterpret_cast<__nv_bfloat162*>(&bias));
-    return *reinterpret_cast<uint32_t*>(&v);
+// bf16 pair (lo, hi) = 128 + (nibble at bit `shift`, nibble at bit `shift + 16`), exact: 0x4300 | n is the
+// bf16 128 + n. The 136 = 128 + 8 of the offset and the stored q + 8 is taken off by group_offset, so a
+// nibble pair costs one LOP3 (and a shift) instead of a third instruction for a bf16 subtraction.
+__device__ __forceinline__ uint32_t offset_pair(uint32_t w, int shift) {
+    return and_or(w >> shift, 0x000F000Fu, 0x43004300u);
+}
+
+// One n8 tile's activations of one group as the two MMAs' B fragments (b[0], b[1] and b[2], b[3]),
+// paired as the weight words are: the lane holds group elements 8c .. 8c + 7 of its token, and the nibble
+// pairs (j, 4 + j) of a weight word hold the elements (j, 4 + j) in the checkpoint's order and (2j, 2j + 1)
+// in the tiled order (int4_tile interleaves the nibbles).
+struct GroupActs {
+    uint32_t b[4];
+    // C fragment of -136 * (sum of the group's activations) for the lane's tokens 2c and 2c + 1 (rows
+    // r and r + 8 alike), the start of every m16 tile's group sum: one tensor-core product shared by the
+    // warp's m16 tiles in place of a bf16 subtraction per nibble pair.
+    float offset[4];
+};
+
+template <bool INTERLEAVED>
+__device__ __forceinline__ GroupActs group_acts(uint4 x, const uint32_t (&minus136)[4]) {
+    GroupActs g;
+    if (INTERLEAVED) {
+        g.b[0] = x.x, g.b[1] = x.y, g.b[2] = x.z, g.b[3] = x.w;
+    } else {
+        g.b[0] = __byte_perm(x.x, x.z, 0x5410);  // elements (0, 4)
+        g.b[1] = __byte_perm(x.x, x.z, 0x7632);  // (1, 5)
+        g.b[2] = __byte_perm(x.y, x.w, 0x5410);  // (2, 6)
+        g.b[3] = __byte_perm(x.y, x.w, 0x7632);  // (3, 7)
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) g.offset[i] = 0.0f;
+    mma_bf16(g.offset, minus136, g.b[0], g.b[1]);
+    mma_bf16(g.offset, minus136, g.b[2], g.b[3]);
+    return g;
 }
 
 // One group of one (m16 tile, n8 tile). The lane's words (rows r, r + 8) hold group elements 8c .. 8c + 7
-// as the pairs (0, 4), (1, 5), (2, 6), (3, 7); the activations are paired the same way, so the k order
-// inside the MMA is a permutation of the group that A and B share. The products (nibble - 8) * x are exact
-// in the MMA and the group's scale is applied once, in f32.
-__device__ __forceinline__ void group_mma(float (&acc)[4], uint32_t w0, uint32_t w1, float s0, float s1, uint4 x) {
-    const uint32_t x04 = __byte_perm(x.x, x.z, 0x5410), x15 = __byte_perm(x.x, x.z, 0x7632);
-    const uint32_t x26 = __byte_perm(x.y, x.w, 0x5410), x37 = __byte_perm(x.y, x.w, 0x7632);
-    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const uint32_t a0[4] = {nibble_pair(w0, 0), nibble_pair(w1, 0), nibble_pair(w0, 4), nibble_pair(w1, 4)};
-    mma_bf16(part, a0, x04, x15);
-    const uint32_t a1[4] = {nibble_pair(w0, 8), nibble_pair(w1, 8), nibble_pair(w0, 12), nibble_pair(w1, 12)};
-    mma_bf16(part, a1, x26, x37);
+// in nibble pairs that the activations in `x` match, so the k order inside the MMA is a permutation of
+// the group that A and B share. The products (128 + nibble) * x are
+// exact in the MMA, which sums them onto -136 * sum(x), so the group sum is that of (nibble - 8) * x up
+// to f32 rounding; the group's scale is applied once, in f32.
+__device__ __forceinline__ void group_mma(float (&acc)[4], uint32_t w0, uint32_t w1, float s0, float s1,
+                                          const GroupActs& x) {
+    float part[4] = {x.offset[0], x.offset[1], x.offset[2], x.offset[3]};
+    const uint32_t a0[4] = {offset_pair(w0, 0), offset_pair(w1, 0), offset_pair(w0, 4), offset_pair(w1, 4)};
+    mma_bf16(part, a0, x.b[0], x.b[1]);
+    const uint32_t a1[4] = {offset_pair(w0, 8), offset_pair(w1, 8), offset_pair(w0, 12), offset_pair(w1, 12)};
+    mma_bf16(part, a1, x.b[2], x.b[3]);
     acc[0] = fmaf(s0, part[0], acc[0]);
     acc[1] = fmaf(s0, part[1], acc[1]);
     acc[2] = fmaf(s1, part[2], acc[2]);
     acc[3] = fmaf(s1, part[3], acc[3]);
 }
+
+// Word j of a uint4 (j a compile-time constant after unrolling).
+__device__ __forceinline__ uint32_t word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+
+// The f32 values of a word's two bf16 halves (exact: a bf16 is the upper half of its f32).
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
 
 // The lane's activations of group g: elements 8c .. 8c + 7 of its row (`x` points at element 8c of
 // group 0); zeros past the last group, which only chunks of a partly filled last chunk reach.
@@ -361,32 +398,26 @@ __device__ __forceinline__ uint4 load_act(const uint4* x, int g, int groups) {
 template <class Layout, int MT, int NT>
 __device__ __forceinline__ void chunk_mma(float (&acc)[MT][NT][4], const typename Layout::Stage* tiles,
                                           const uint4 (&xp)[CHUNK_GROUPS], const uint4* const (&act)[NT], int g0,
-                                          int groups) {
-    uint32_t lo[MT][CHUNK_GROUPS], hi[MT][CHUNK_GROUPS];
-    float s_lo[MT][CHUNK_GROUPS], s_hi[MT][CHUNK_GROUPS];
+                                          int groups, const uint32_t (&minus136)[4]) {
+    uint4 lo[MT], hi[MT], sv[MT];  // word j of rows r and r + 8 per group j; sv: the scales (read)
 #pragma unroll
-    for (int m = 0; m < MT; ++m) {
-        uint4 w0, w1, sv;
-        Layout::read(tiles[m], w0, w1, sv);
-        const __nv_bfloat16* sc = reinterpret_cast<const __nv_bfloat16*>(&sv);
-        const uint32_t l4[4] = {w0.x, w0.y, w0.z, w0.w}, h4[4] = {w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-        for (int j = 0; j < CHUNK_GROUPS; ++j) {
-            lo[m][j] = l4[j];
-            hi[m][j] = h4[j];
-            s_lo[m][j] = __bfloat162float(sc[j]);
-            s_hi[m][j] = __bfloat162float(sc[4 + j]);
-        }
-    }
+    for (int m = 0; m < MT; ++m) Layout::read(tiles[m], lo[m], hi[m], sv[m]);
 #pragma unroll
     for (int j = 0; j < CHUNK_GROUPS; ++j) {
-        uint4 x[NT];
+        GroupActs x[NT];
 #pragma unroll
-        for (int n = 0; n < NT; ++n) x[n] = NT == 1 ? xp[j] : load_act(act[n], g0 + j, groups);
+        for (int n = 0; n < NT; ++n)
+            x[n] = group_acts<Layout::INTERLEAVED>(NT == 1 ? xp[j] : load_act(act[n], g0 + j, groups), minus136);
 #pragma unroll
-        for (int m = 0; m < MT; ++m)
+        for (int m = 0; m < MT; ++m) {
+            // sv: the scales of groups (0, 1) and (2, 3) of row r, then of row r + 8
+            const uint32_t s_lo = j < 2 ? sv[m].x : sv[m].y, s_hi = j < 2 ? sv[m].z : sv[m].w;
+            const float scale_lo = j % 2 ? bf16_hi(s_lo) : bf16_lo(s_lo);
+            const float scale_hi = j % 2 ? bf16_hi(s_hi) : bf16_lo(s_hi);
 #pragma unroll
-            for (int n = 0; n < NT; ++n) group_mma(acc[m][n], lo[m][j], hi[m][j], s_lo[m][j], s_hi[m][j], x[n]);
+            for (int n = 0; n < NT; ++n)
+                group_mma(acc[m][n], word(lo[m], j), word(hi[m], j), scale_lo, scale_hi, x[n]);
+        }
     }
 }
 
@@ -437,6 +468,10 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     uint4 x[CHUNK_GROUPS];
 #pragma unroll
     for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = NT == 1 ? load_act(act[0], c_begin * CHUNK_GROUPS + j, groups) : uint4{};
+    // The A fragment of group_acts, made once: as an immediate, ptxas rebuilds it for every product.
+    uint32_t minus136[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("mov.b32 %0, 0xC308C308;\n" : "=r"(minus136[i]));  // bf16 pair (-136, -136)
     int use = 0;  // the stage of `chunk`
     for (int chunk = c_begin; chunk < c_end; ++chunk) {
         uint4 x_next[CHUNK_GROUPS];
@@ -445,7 +480,7 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
             x_next[j] = NT == 1 ? load_act(act[0], (chunk + 1) * CHUNK_GROUPS + j, groups) : uint4{};
         cp_async_wait<STAGES - 1>();  // STAGES + (chunk - c_begin) groups committed: this chunk's has landed
         __syncwarp();
-        chunk_mma<Layout, MT, NT>(acc, ring + use * MT, x, act, chunk * CHUNK_GROUPS, groups);
+        chunk_mma<Layout, MT, NT>(acc, ring + use * MT, x, act, chunk * CHUNK_GROUPS, groups, minus136);
         __syncwarp();  // every lane is done with the stage before it is refilled
         issue(use, chunk + STAGES < c_end);
         use = use + 1 == STAGES ? 0 : use + 1;
@@ -678,8 +713,18 @@ extern "C" __global__ void __launch_bounds__(256)
 // ---------------------------------------------------------------------------------------------------
 // Layout and benchmark helpers.
 
+// A packed word with element 2j moved to nibble j and element 2j + 1 to nibble 4 + j
+// (cpu::moe_int4::interleave_nibbles).
+__device__ __forceinline__ uint32_t interleave_nibbles(uint32_t w) {
+    uint32_t out = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out |= ((w >> (4 * i)) & 0xFu) << (4 * (i / 2 + (i % 2) * 4));
+    return out;
+}
+
 // Native -> tiled repack of a [rows, cols] matrix (rows a multiple of 16): for every (16-row tile, chunk
-// of 4 groups) the StageTile image. One thread per (tile, chunk, lane); groups past the end are zeros.
+// of 4 groups) the StageTile image of interleaved words. One thread per (tile, chunk, lane); groups past
+// the end are zeros.
 extern "C" __global__ void int4_tile(const uint32_t* __restrict__ packed, const __nv_bfloat16* __restrict__ scale,
                                      int rows, int cols, uint32_t* __restrict__ packed_tiled,
                                      __nv_bfloat16* __restrict__ scale_tiled) {
@@ -693,7 +738,7 @@ extern "C" __global__ void int4_tile(const uint32_t* __restrict__ packed, const 
             for (int j = 0; j < CHUNK_GROUPS; ++j) {
                 const int g = chunk * CHUNK_GROUPS + j;
                 packed_tiled[tile * 256 + half * 128 + lane * 4 + j] =
-                    g < groups ? packed[(size_t)(row0 + r + 8 * half) * groups * 4 + g * 4 + c] : 0u;
+                    g < groups ? interleave_nibbles(packed[(size_t)(row0 + r + 8 * half) * groups * 4 + g * 4 + c]) : 0u;
             }
         if (lane < 16) {
             const int row = lane & 7, half = lane >> 3;

@@ -45,6 +45,7 @@ if [ -n "${KEEP:-}" ]; then
         [ $keep = 1 ] || rm "$f"
     done
 fi
+shopt -s nullglob  # KEEP may leave a folder empty
 strip gpu-pack/tests/* gpu-pack/benches/* gpu-pack/examples/*
 tar -cJf gpu-pack/bundle.tar.xz -C gpu-pack tests benches examples
 rm -rf gpu-pack/tests gpu-pack/benches gpu-pack/examples

@@ -104,13 +104,17 @@ pub fn tiled_len(rows: usize, cols: usize) -> (usize, usize) {
 /// With `G = cols / 32` and `C = ceil(G / 4)`, for tile `t` (rows `16t ..`), chunk `q`, lane `l` (`r = l /
 /// 4`, `c = l % 4`), half `h` and group `j` of the chunk, `packed[(t*C + q)*256 + h*128 + l*4 + j]` is packed
 /// word `c` of group `4q + j` of row `16t + r + 8h`, and `scale[(t*C + q)*64 + i*8 + h*4 + j]` is the scale
-/// of row `16t + i + 8h`, group `4q + j`.
+/// of row `16t + i + 8h`, group `4q + j`. Inside a tiled word the nibbles are interleaved
+/// ([`interleave_nibbles`]): nibble `j` holds input `2j` and nibble `4 + j` input `2j + 1`, so each
+/// bf16 pair the kernel cuts from the word holds two consecutive inputs, as the activations come.
 pub fn tile(m: &Int4Matrix) -> Result<Int4Owned> {
     check_tileable(m.rows)?;
     m.check("packed")?;
     let (words, scales) = tiled_len(m.rows, m.cols);
     let mut out = Int4Owned { packed: vec![0; words], scale: vec![bf16::ZERO; scales] };
-    for_each_tiled_word(m.rows, m.cols / GROUP, |tiled, native| out.packed[tiled] = m.packed[native]);
+    for_each_tiled_word(m.rows, m.cols / GROUP, |tiled, native| {
+        out.packed[tiled] = interleave_nibbles(m.packed[native]);
+    });
     for_each_tiled_scale(m.rows, m.cols / GROUP, |tiled, native| out.scale[tiled] = m.scale[native]);
     Ok(out)
 }
@@ -126,9 +130,29 @@ pub fn untile(packed: &[i32], scale: &[bf16], rows: usize, cols: usize) -> Resul
     check_len("packed (tiled)", packed.len(), &[("words", words)])?;
     check_len("scale (tiled)", scale.len(), &[("scales", scales)])?;
     let mut out = Int4Owned { packed: vec![0; rows * cols / PACK], scale: vec![bf16::ZERO; rows * cols / GROUP] };
-    for_each_tiled_word(rows, cols / GROUP, |tiled, native| out.packed[native] = packed[tiled]);
+    for_each_tiled_word(rows, cols / GROUP, |tiled, native| out.packed[native] = deinterleave_nibbles(packed[tiled]));
     for_each_tiled_scale(rows, cols / GROUP, |tiled, native| out.scale[native] = scale[tiled]);
     Ok(out)
+}
+
+/// A packed word's eight values (input `i` in nibble `i`) reordered for the tiled layout: input `2j` to
+/// nibble `j` and input `2j + 1` to nibble `4 + j`, so the nibble pairs `(j, 4 + j)` are input pairs.
+pub fn interleave_nibbles(word: i32) -> i32 {
+    let w = word as u32;
+    let out = (0..PACK).fold(0u32, |acc, i| acc | (((w >> (4 * i)) & 0xF) << (4 * nibble_slot(i))));
+    out as i32
+}
+
+/// Inverse of [`interleave_nibbles`].
+pub fn deinterleave_nibbles(word: i32) -> i32 {
+    let w = word as u32;
+    let out = (0..PACK).fold(0u32, |acc, i| acc | (((w >> (4 * nibble_slot(i))) & 0xF) << (4 * i)));
+    out as i32
+}
+
+/// The tiled nibble of input `i` of a packed word.
+fn nibble_slot(i: usize) -> usize {
+    i / 2 + (i % 2) * 4
 }
 
 fn check_tileable(rows: usize) -> Result<()> {
