@@ -17,8 +17,12 @@ namespace kdt {
 namespace moe {
 
 constexpr int GROUP = 32;
-constexpr int WARPS = 8;
-constexpr int THREADS = WARPS * 32;
+// Warps per GEMM block: the narrow kernels (one n8 tile) run one row group of 4 K-slice warps, so four
+// independent blocks share an SM and one block's start-up latency overlaps the others' work; the wide
+// kernels stack two row groups.
+constexpr int NARROW_WARPS = 4;
+constexpr int WIDE_WARPS = 8;
+__host__ __device__ constexpr int gemm_warps(int n_tiles) { return n_tiles == 1 ? NARROW_WARPS : WIDE_WARPS; }
 constexpr int MAX_EXPERTS = 1024;
 constexpr int ALIGN_THREADS = 512;
 constexpr int ALIGN_ITEMS = MAX_EXPERTS / ALIGN_THREADS;
@@ -240,12 +244,13 @@ struct NativeLayout {
     const uint4* base;                 // a valid address for the zero-filling copies past the last group
     const __nv_bfloat16* scale_row;    // row l % 16's scales at the chunk's first group
     size_t row_pieces;                 // 16-byte pieces per row
-    int g0, groups;
+    int g0, groups, step;              // step: groups from one staged chunk to the next
 
     __device__ __forceinline__ NativeLayout(const uint32_t* packed, const __nv_bfloat16* scale, int row0, int groups_,
-                                            int chunk) {
+                                            int chunk, int chunk_step) {
         const int lane = threadIdx.x & 31;
         groups = groups_;
+        step = chunk_step * CHUNK_GROUPS;
         g0 = chunk * CHUNK_GROUPS;
         row_pieces = groups;  // one 16-byte piece per group
         base = reinterpret_cast<const uint4*>(packed);
@@ -267,9 +272,9 @@ struct NativeLayout {
                     dst->scale[lane][q] = g0 + q < groups ? scale_row[q] : __float2bfloat16_rn(0.0f);
             }
         }
-        piece += CHUNK_GROUPS;
-        scale_row += CHUNK_GROUPS;
-        g0 += CHUNK_GROUPS;
+        piece += step;
+        scale_row += step;
+        g0 += step;
     }
 
     // The lane's words of rows r and r + 8 (one per group) and their scales, as the tiled stage gives them.
@@ -290,9 +295,11 @@ struct TiledLayout {
     static constexpr bool INTERLEAVED = true;  // int4_tile's nibble order
     const uint4* words;   // the lane's first piece of the current chunk
     const uint4* scales;  // the scale piece of lane % 8
+    int step;             // chunks from one staged chunk to the next
 
     __device__ __forceinline__ TiledLayout(const uint32_t* packed, const __nv_bfloat16* scale, int row0, int groups,
-                                           int chunk) {
+                                           int chunk, int chunk_step) {
+        step = chunk_step;
         const int lane = threadIdx.x & 31;
         const size_t tile = (size_t)(row0 / 16) * ((groups + CHUNK_GROUPS - 1) / CHUNK_GROUPS) + chunk;
         words = reinterpret_cast<const uint4*>(packed) + tile * 64 + lane;
@@ -304,8 +311,8 @@ struct TiledLayout {
         cp_async16(&dst->word[0][lane], words, 16);
         cp_async16(&dst->word[1][lane], words + 32, 16);
         if (lane < 8) cp_async16(&dst->scale[lane][0][0], scales, 16);
-        words += 64;
-        scales += 8;
+        words += 64 * step;
+        scales += 8 * step;
     }
 
     __device__ __forceinline__ static void read(const Stage& s, uint4& lo, uint4& hi, uint4& scales) {
@@ -431,14 +438,14 @@ struct GemmArgs {
     int row0[MT];
 };
 
-// A warp's partial sums over chunks [c_begin, c_end) for NT n8 tiles of tokens; `act[n]` is the lane's
-// activation row in n-tile n, advanced to element 8c (lanes past the expert's tokens read any valid row:
-// their columns are never stored). `ring` holds STAGES * MT stages. The weights do not depend on any
-// earlier kernel, so all STAGES stages are filled before griddepcontrol.wait, and the activations, which
-// may be the previous kernel's output, are read after it.
+// A warp's partial sums over the chunks first, first + step, ... (`count` of them) for NT n8 tiles of
+// tokens; `act[n]` is the lane's activation row in n-tile n, advanced to element 8c (lanes past the
+// expert's tokens read any valid row: their columns are never stored). `ring` holds STAGES * MT stages.
+// The weights do not depend on any earlier kernel, so all STAGES stages are filled before
+// griddepcontrol.wait, and the activations, which may be the previous kernel's output, are read after it.
 template <class Layout, int MT, int NT, int STAGES>
 __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, const uint4* const (&act)[NT],
-                          int c_begin, int c_end, typename Layout::Stage* ring) {
+                          int first, int count, int step, typename Layout::Stage* ring) {
     const int groups = args.cols / GROUP;
 #pragma unroll
     for (int m = 0; m < MT; ++m)
@@ -446,10 +453,10 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.0f;
-    Layout cursor[MT] = {Layout(args.packed, args.scale, args.row0[0], groups, c_begin),
-                         Layout(args.packed, args.scale, args.row0[1], groups, c_begin)};
+    Layout cursor[MT] = {Layout(args.packed, args.scale, args.row0[0], groups, first, step),
+                         Layout(args.packed, args.scale, args.row0[1], groups, first, step)};
     static_assert(MT == 2, "the cursors above list two m16 tiles");
-    // Chunk c_begin + i lives in stage i % STAGES and is cp.async group i: all STAGES stages are filled
+    // The warp's chunk i lives in stage i % STAGES and is cp.async group i: all STAGES stages are filled
     // up front, and each stage is refilled with the chunk STAGES ahead as soon as it has been consumed,
     // so STAGES chunks are in flight whenever the warp waits for one.
     auto issue = [&](int stage, bool any) {
@@ -460,29 +467,29 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
         cp_async_commit();  // also when empty, so the group count stays one per chunk
     };
 #pragma unroll 1
-    for (int s = 0; s < STAGES; ++s) issue(s, c_begin + s < c_end);
+    for (int s = 0; s < STAGES; ++s) issue(s, s < count);
     pdl_wait();
     pdl_launch_dependents();
     // One n8 tile: the activations of the next chunk load while this one computes (more n8 tiles load
     // theirs inside chunk_mma).
     uint4 x[CHUNK_GROUPS];
 #pragma unroll
-    for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = NT == 1 ? load_act(act[0], c_begin * CHUNK_GROUPS + j, groups) : uint4{};
+    for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = NT == 1 ? load_act(act[0], first * CHUNK_GROUPS + j, groups) : uint4{};
     // The A fragment of group_acts, made once: as an immediate, ptxas rebuilds it for every product.
     uint32_t minus136[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) asm volatile("mov.b32 %0, 0xC308C308;\n" : "=r"(minus136[i]));  // bf16 pair (-136, -136)
-    int use = 0;  // the stage of `chunk`
-    for (int chunk = c_begin; chunk < c_end; ++chunk) {
+    int use = 0;  // the stage of chunk i
+    for (int i = 0, chunk = first; i < count; ++i, chunk += step) {
         uint4 x_next[CHUNK_GROUPS];
 #pragma unroll
         for (int j = 0; j < CHUNK_GROUPS; ++j)
-            x_next[j] = NT == 1 ? load_act(act[0], (chunk + 1) * CHUNK_GROUPS + j, groups) : uint4{};
-        cp_async_wait<STAGES - 1>();  // STAGES + (chunk - c_begin) groups committed: this chunk's has landed
+            x_next[j] = NT == 1 ? load_act(act[0], (chunk + step) * CHUNK_GROUPS + j, groups) : uint4{};
+        cp_async_wait<STAGES - 1>();  // STAGES + i groups committed: chunk i's has landed
         __syncwarp();
         chunk_mma<Layout, MT, NT>(acc, ring + use * MT, x, act, chunk * CHUNK_GROUPS, groups, minus136);
         __syncwarp();  // every lane is done with the stage before it is refilled
-        issue(use, chunk + STAGES < c_end);
+        issue(use, i + STAGES < count);
         use = use + 1 == STAGES ? 0 : use + 1;
 #pragma unroll
         for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = x_next[j];
@@ -511,11 +518,12 @@ __device__ __forceinline__ bool block_expert(const int4* active_slices, const in
 __device__ __forceinline__ int frag_row(int lane, int i) { return (lane >> 2) + (i >= 2 ? 8 : 0); }
 __device__ __forceinline__ int frag_col(int n, int lane, int i) { return n * 8 + 2 * (lane & 3) + (i & 1); }
 
-// A block's geometry: WARPS = KSPLIT warps splitting K at fixed chunk boundaries x RGROUPS row groups of
+// A block's geometry: WARPS = KSPLIT warps splitting K by interleaved chunks x RGROUPS row groups of
 // MT m16 tiles. Shared memory: the warps' stage rings, then the partial sums [KSPLIT][RGROUPS][frag].
 template <class Layout, int MT, int NT, int KSPLIT, int STAGES>
 struct BlockShape {
     typedef typename Layout::Stage Stage;
+    static constexpr int WARPS = gemm_warps(NT), THREADS = WARPS * 32;
     static constexpr int RGROUPS = WARPS / KSPLIT;
     static constexpr int FRAG = MT * NT * 128;  // accumulators of one warp
     static constexpr size_t RING_BYTES = (size_t)WARPS * STAGES * MT * sizeof(Stage);
@@ -532,9 +540,11 @@ struct BlockShape {
                                 bool rows_valid) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kslice = warp % KSPLIT;
         const int chunks = (args.cols / GROUP + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
-        const int c_begin = kslice * chunks / KSPLIT, c_end = rows_valid ? (kslice + 1) * chunks / KSPLIT : c_begin;
+        // The K slices interleave by chunk (slice s takes chunks s, s + KSPLIT, ...), so a block's warps
+        // read neighbouring chunks at about the same time.
+        const int count = rows_valid ? (chunks - kslice + KSPLIT - 1) / KSPLIT : 0;
         float acc[MT][NT][4];
-        warp_gemm<Layout, MT, NT, STAGES>(acc, args, act, c_begin, c_end, ring(smem));
+        warp_gemm<Layout, MT, NT, STAGES>(acc, args, act, kslice, count, KSPLIT, ring(smem));
         float* out = partials(smem) + (size_t)warp * FRAG;
 #pragma unroll
         for (int m = 0; m < MT; ++m)
@@ -574,7 +584,7 @@ __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __r
         }
         Shape::pass(smem, args, act, true);
         __syncthreads();
-        for (int idx = threadIdx.x; idx < Shape::RGROUPS * NT * 128; idx += THREADS) {
+        for (int idx = threadIdx.x; idx < Shape::RGROUPS * NT * 128; idx += Shape::THREADS) {
             const int g = idx / (NT * 128), e = idx % (NT * 128);
             const int n = e / 128, l = (e / 4) & 31, i = e & 3;
             const int t = t0 + frag_col(n, l, i);
@@ -608,7 +618,7 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
         }
         Shape::pass(smem, args, act, r0 < H);
         __syncthreads();
-        for (int idx = threadIdx.x; idx < Shape::RGROUPS * Shape::FRAG; idx += THREADS) {
+        for (int idx = threadIdx.x; idx < Shape::RGROUPS * Shape::FRAG; idx += Shape::THREADS) {
             const int g = idx / Shape::FRAG, e = idx % Shape::FRAG;
             const int m = e / (NT * 128), n = (e / 128) % NT, l = (e / 4) & 31, i = e & 3;
             const int t = t0 + frag_col(n, l, i);
@@ -622,12 +632,11 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
 }
 
 // Launch geometry shared with src/cuda/moe_int4.rs: K slices per block and pipeline depths. Both GEMMs
-// split K over 4 warps and stack 2 row groups: 16 h rows (gate/up, K = H: 14 chunks per warp at Kimi-K2
-// sizes) or 32 output rows (down, K = I: 4 chunks per warp, all issued before the block waits for the
-// gate/up GEMM). Small blocks balance
-// the SMs: at one token (8 experts) the down GEMM has 896 blocks of 74 KB, 6 or 7 per SM (the slowest SM
-// carries 3% more than the mean), where 256-row blocks gave 224 blocks of 295 KB, 1 or 2 per SM (18% over
-// the mean, 40 SMs at half occupancy; Nsight Compute: 46% of DRAM bandwidth).
+// split K over 4 warps; a row group is 16 h rows (gate/up, K = H: 14 chunks per warp at Kimi-K2 sizes) or
+// 32 output rows (down, K = I: 4 chunks per warp, all issued before the block waits for the gate/up
+// GEMM). Small blocks balance the SMs: at one token (8 experts) the narrow down GEMM has 1792 blocks of
+// 37 KB, 13 or 14 per SM, where 256-row blocks gave 224 blocks of 295 KB, 1 or 2 per SM (18% over the
+// mean, 40 SMs at half occupancy; Nsight Compute: 46% of DRAM bandwidth).
 constexpr int GATE_UP_KSPLIT = 4;
 constexpr int DOWN_KSPLIT = 4;
 constexpr int NARROW_STAGES = 4;
@@ -663,24 +672,24 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
 }
 
 #define KDT_MOE_GEMMS(LAYOUT, NT, STAGES, MIN_BLOCKS, SUFFIX)                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) moe_gate_up_##SUFFIX(                                \
+    extern "C" __global__ void __launch_bounds__(gemm_warps(NT) * 32, MIN_BLOCKS) moe_gate_up_##SUFFIX(                            \
         const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,                                 \
         const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k, const int4* __restrict__ slices,     \
         const int* __restrict__ num_active, const int* __restrict__ pairs, __nv_bfloat16* __restrict__ h) {    \
         gate_up_kernel<LAYOUT, NT, STAGES>(x, w13, w13_scale, H, I, k, slices, num_active, pairs, h);          \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) moe_down_##SUFFIX(                                   \
+    extern "C" __global__ void __launch_bounds__(gemm_warps(NT) * 32, MIN_BLOCKS) moe_down_##SUFFIX(                            \
         const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,                                  \
         const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int4* __restrict__ slices,             \
         const int* __restrict__ num_active, const int* __restrict__ pairs, float* __restrict__ y) {            \
         down_kernel<LAYOUT, NT, STAGES>(h, w2, w2_scale, H, I, slices, num_active, pairs, y);                  \
     }
 
-// Narrow kernels are held to 128 registers so two blocks (16 warps) share an SM; the wide ones keep
+// Narrow kernels are held to 128 registers so four blocks (16 warps) share an SM; the wide ones keep
 // their two n8 tiles' accumulators in registers at one block per SM.
-KDT_MOE_GEMMS(NativeLayout, 1, NARROW_STAGES, 2, native)
+KDT_MOE_GEMMS(NativeLayout, 1, NARROW_STAGES, 4, native)
 KDT_MOE_GEMMS(NativeLayout, 2, WIDE_STAGES, 1, wide_native)
-KDT_MOE_GEMMS(TiledLayout, 1, NARROW_STAGES, 2, tiled)
+KDT_MOE_GEMMS(TiledLayout, 1, NARROW_STAGES, 4, tiled)
 KDT_MOE_GEMMS(TiledLayout, 2, WIDE_STAGES, 1, wide_tiled)
 
 // Dynamic shared memory of each GEMM kernel, for the launcher (which must match these sizes).

@@ -24,18 +24,25 @@ pub const MAX_TOP_K: usize = 32;
 /// The most tokens a plan holds (the combine launches one row of blocks per token).
 pub const MAX_TOKENS: usize = 65_535;
 
-const GEMM_THREADS: u32 = 256;
-/// Rows per block of each GEMM (kernels/moe_int4.cu): both split K over 4 warps and stack 2 row groups,
-/// of 16 h rows (gate/up) or 32 output rows (down).
-const GATE_UP_ROWS_PER_BLOCK: usize = 32;
-const DOWN_ROWS_PER_BLOCK: usize = 64;
+/// Warps per GEMM block (kernels/moe_int4.cu gemm_warps): both GEMMs split K over 4 warps; the narrow
+/// kernels run one row group per block, the wide ones two.
+const fn gemm_warps(wide: bool) -> usize {
+    if wide {
+        8
+    } else {
+        4
+    }
+}
+/// Rows of a GEMM's row group: 16 h rows (gate/up) or 32 output rows (down).
+const GATE_UP_GROUP_ROWS: usize = 16;
+const DOWN_GROUP_ROWS: usize = 32;
+const GEMM_KSPLIT: usize = 4;
 /// Bytes of one staged (16-row tile, chunk) in shared memory: the tiled layout's chunk image, or the
 /// native layout's 16 rows of 64 bytes padded to 80 plus their scales (kernels/moe_int4.cu).
 const STAGE_TILE_BYTES: usize = match LAYOUT {
     Int4Layout::Native => 1408,
     Int4Layout::Tiled => 1152,
 };
-const WARPS: usize = 8;
 const ALIGN_THREADS: u32 = 512;
 /// Threads of a routing CTA (one token each): one per expert, up to kernels/moe_int4.cu MAX_EXPERTS.
 const ROUTE_THREADS: u32 = MAX_EXPERTS as u32;
@@ -46,7 +53,14 @@ const NARROW_TOKENS: usize = 8;
 /// warps' partial sums (2 m16 tiles x n8 tiles x 128 floats). Must match BlockShape in the kernel.
 pub(crate) const fn gemm_shared_bytes(wide: bool) -> usize {
     let (stages, n_tiles) = if wide { (2, 2) } else { (4, 1) };
-    WARPS * stages * 2 * STAGE_TILE_BYTES + WARPS * 2 * n_tiles * 128 * 4
+    let warps = gemm_warps(wide);
+    warps * stages * 2 * STAGE_TILE_BYTES + warps * 2 * n_tiles * 128 * 4
+}
+
+/// Grid rows and threads of a GEMM launch over `rows` weight rows in row groups of `group_rows`.
+fn gemm_geometry(rows: usize, group_rows: usize, wide: bool) -> (u32, u32) {
+    let block_rows = group_rows * gemm_warps(wide) / GEMM_KSPLIT;
+    (rows.div_ceil(block_rows) as u32, (gemm_warps(wide) * 32) as u32)
 }
 const STATUS_BAD_LOGIT: i32 = 1;
 const STATUS_BAD_EXPERT: i32 = 2;
@@ -432,9 +446,10 @@ impl MoePlan {
     ) -> Result<()> {
         let (name, f) = gpu.kernels.moe_gate_up(wide);
         let (h, i, k) = (self.shape.hidden as i32, self.shape.inter as i32, self.k as i32);
+        let (grid_rows, threads) = gemm_geometry(self.shape.inter, GATE_UP_GROUP_ROWS, wide);
         let cfg = LaunchConfig {
-            grid_dim: (blocks, (self.shape.inter / GATE_UP_ROWS_PER_BLOCK) as u32, 1),
-            block_dim: (GEMM_THREADS, 1, 1),
+            grid_dim: (blocks, grid_rows, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: gemm_shared_bytes(wide) as u32,
         };
         let mut a = KernelArgs::new(gpu);
@@ -446,9 +461,10 @@ impl MoePlan {
     fn launch_down(&mut self, gpu: &Gpu, experts: &DeviceExperts, blocks: u32, wide: bool) -> Result<()> {
         let (name, f) = gpu.kernels.moe_down(wide);
         let (h, i) = (self.shape.hidden as i32, self.shape.inter as i32);
+        let (grid_rows, threads) = gemm_geometry(self.shape.hidden, DOWN_GROUP_ROWS, wide);
         let cfg = LaunchConfig {
-            grid_dim: (blocks, self.shape.hidden.div_ceil(DOWN_ROWS_PER_BLOCK) as u32, 1),
-            block_dim: (GEMM_THREADS, 1, 1),
+            grid_dim: (blocks, grid_rows, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: gemm_shared_bytes(wide) as u32,
         };
         let mut a = KernelArgs::new(gpu);
