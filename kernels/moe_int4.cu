@@ -5,24 +5,28 @@
 // Both GEMMs run as "swap AB" tensor-core products: a warp's mma.sync m16n8k16 takes 16 weight rows as
 // A (dequantized in registers) and up to 8 tokens as B, so one token per expert wastes MMA lanes but no
 // memory traffic, and there is a single code path for every token count. Each k16 step covers 16 values
-// of one quantization group, so its products are exact bf16 x int4 values, summed in f32 by the MMA, and
-// the bf16 scale is applied once per group in f32 (acc = fma(scale, group_sum, acc)). A block splits K over some of its
-// 8 warps at fixed chunk boundaries and sums their partials in order, so every output element is computed
-// by the same operations whatever the batch: results are deterministic and batch invariant. The same MMA
-// path serves one token or many (no separate GEMV path): at a few tokens the kernels are bound by weight
-// bytes, not by the MMA lanes left idle.
+// of one quantization group; its products (128 + nibble) * x are exact and the MMA sums them in f32 onto
+// -136 * sum(x) (group_acts), which leaves the group sum of (nibble - 8) * x, and the bf16 scale is
+// applied once per group in f32 (acc = fma(scale, group_sum, acc)). A row group's K is split over a fixed
+// number of warps (interleaved chunks) whose partials are summed in order, so every output element is
+// computed by the same operations whatever the batch: results are deterministic and batch invariant. The
+// same MMA path serves one token or many (no separate GEMV path): at a few tokens the kernels are bound
+// by weight bytes, not by the MMA lanes left idle.
 #include "common.cuh"
 
 namespace kdt {
 namespace moe {
 
 constexpr int GROUP = 32;
-// Warps per GEMM block: the narrow kernels (one n8 tile) run one row group of 4 K-slice warps, so four
-// independent blocks share an SM and one block's start-up latency overlaps the others' work; the wide
-// kernels stack two row groups.
-constexpr int NARROW_WARPS = 4;
+// Warps per GEMM block: a narrow kernel (one n8 tile) runs one row group of K-slice warps, so several
+// independent blocks share an SM and one block's start-up latency overlaps the others' work; a wide
+// kernel stacks row groups up to 8 warps. Narrow blocks fill an SM to NARROW_SM_WARPS warps.
 constexpr int WIDE_WARPS = 8;
-__host__ __device__ constexpr int gemm_warps(int n_tiles) { return n_tiles == 1 ? NARROW_WARPS : WIDE_WARPS; }
+constexpr int NARROW_SM_WARPS = 16;
+__host__ __device__ constexpr int gemm_warps(int n_tiles, int ksplit) { return n_tiles == 1 ? ksplit : WIDE_WARPS; }
+__host__ __device__ constexpr int gemm_min_blocks(int n_tiles, int ksplit) {
+    return n_tiles == 1 ? NARROW_SM_WARPS / ksplit : 1;
+}
 constexpr int MAX_EXPERTS = 1024;
 constexpr int ALIGN_THREADS = 512;
 constexpr int ALIGN_ITEMS = MAX_EXPERTS / ALIGN_THREADS;
@@ -523,7 +527,7 @@ __device__ __forceinline__ int frag_col(int n, int lane, int i) { return n * 8 +
 template <class Layout, int MT, int NT, int KSPLIT, int STAGES>
 struct BlockShape {
     typedef typename Layout::Stage Stage;
-    static constexpr int WARPS = gemm_warps(NT), THREADS = WARPS * 32;
+    static constexpr int WARPS = gemm_warps(NT, KSPLIT), THREADS = WARPS * 32;
     static constexpr int RGROUPS = WARPS / KSPLIT;
     static constexpr int FRAG = MT * NT * 128;  // accumulators of one warp
     static constexpr size_t RING_BYTES = (size_t)WARPS * STAGES * MT * sizeof(Stage);
@@ -631,14 +635,16 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
     }
 }
 
-// Launch geometry shared with src/cuda/moe_int4.rs: K slices per block and pipeline depths. Both GEMMs
-// split K over 4 warps; a row group is 16 h rows (gate/up, K = H: 14 chunks per warp at Kimi-K2 sizes) or
-// 32 output rows (down, K = I: 4 chunks per warp, all issued before the block waits for the gate/up
-// GEMM). Small blocks balance the SMs: at one token (8 experts) the narrow down GEMM has 1792 blocks of
-// 37 KB, 13 or 14 per SM, where 256-row blocks gave 224 blocks of 295 KB, 1 or 2 per SM (18% over the
-// mean, 40 SMs at half occupancy; Nsight Compute: 46% of DRAM bandwidth).
+// Launch geometry shared with src/cuda/moe_int4.rs: K slices per row group and pipeline depths. Gate/up
+// splits K = H over 4 warps (14 chunks each at Kimi-K2 sizes) for a row group of 16 h rows; down gives
+// each warp a whole row group of 32 output rows and all of K = I (16 chunks), so a narrow down block is
+// one warp and needs no partial sums. Small blocks balance the SMs: at one token (8 experts) the narrow
+// down GEMM has 1792 one-warp blocks of 37 KB, 13 or 14 per SM, where 256-row blocks of 8 K-split warps
+// gave 224 blocks of 295 KB, 1 or 2 per SM (18% over the mean; Nsight Compute: 46% of DRAM bandwidth).
+// Against 4 K slices for down, one slice took T 16 from 784 to 765 us and T 256 from 3.79 to 3.43 ms
+// and left T <= 8 within 1% (session 12, tiled).
 constexpr int GATE_UP_KSPLIT = 4;
-constexpr int DOWN_KSPLIT = 4;
+constexpr int DOWN_KSPLIT = 1;
 constexpr int NARROW_STAGES = 4;
 constexpr int WIDE_STAGES = 2;
 
@@ -671,26 +677,26 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
     pdl_wait();  // rule W on every path (warp_gemm has waited already where the block computed)
 }
 
-#define KDT_MOE_GEMMS(LAYOUT, NT, STAGES, MIN_BLOCKS, SUFFIX)                                                             \
-    extern "C" __global__ void __launch_bounds__(gemm_warps(NT) * 32, MIN_BLOCKS) moe_gate_up_##SUFFIX(                            \
+#define KDT_MOE_GEMMS(LAYOUT, NT, STAGES, SUFFIX) \
+    extern "C" __global__ void __launch_bounds__(gemm_warps(NT, GATE_UP_KSPLIT) * 32, gemm_min_blocks(NT, GATE_UP_KSPLIT)) moe_gate_up_##SUFFIX(                            \
         const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,                                 \
         const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k, const int4* __restrict__ slices,     \
         const int* __restrict__ num_active, const int* __restrict__ pairs, __nv_bfloat16* __restrict__ h) {    \
         gate_up_kernel<LAYOUT, NT, STAGES>(x, w13, w13_scale, H, I, k, slices, num_active, pairs, h);          \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(gemm_warps(NT) * 32, MIN_BLOCKS) moe_down_##SUFFIX(                            \
+    extern "C" __global__ void __launch_bounds__(gemm_warps(NT, DOWN_KSPLIT) * 32, gemm_min_blocks(NT, DOWN_KSPLIT)) moe_down_##SUFFIX(                            \
         const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,                                  \
         const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int4* __restrict__ slices,             \
         const int* __restrict__ num_active, const int* __restrict__ pairs, float* __restrict__ y) {            \
         down_kernel<LAYOUT, NT, STAGES>(h, w2, w2_scale, H, I, slices, num_active, pairs, y);                  \
     }
 
-// Narrow kernels are held to 128 registers so four blocks (16 warps) share an SM; the wide ones keep
-// their two n8 tiles' accumulators in registers at one block per SM.
-KDT_MOE_GEMMS(NativeLayout, 1, NARROW_STAGES, 4, native)
-KDT_MOE_GEMMS(NativeLayout, 2, WIDE_STAGES, 1, wide_native)
-KDT_MOE_GEMMS(TiledLayout, 1, NARROW_STAGES, 4, tiled)
-KDT_MOE_GEMMS(TiledLayout, 2, WIDE_STAGES, 1, wide_tiled)
+// Narrow kernels are held to 128 registers so 16 warps share an SM; the wide ones keep their two n8
+// tiles' accumulators in registers at one block per SM.
+KDT_MOE_GEMMS(NativeLayout, 1, NARROW_STAGES, native)
+KDT_MOE_GEMMS(NativeLayout, 2, WIDE_STAGES, wide_native)
+KDT_MOE_GEMMS(TiledLayout, 1, NARROW_STAGES, tiled)
+KDT_MOE_GEMMS(TiledLayout, 2, WIDE_STAGES, wide_tiled)
 
 // Dynamic shared memory of each GEMM kernel, for the launcher (which must match these sizes).
 template <class Layout>

@@ -6,7 +6,8 @@ mod common;
 use common::{assert_bits, assert_same, cases, rel_frobenius, xorshift};
 use half::bf16;
 use kdtree_engine::cpu::moe_int4::{
-    moe_int4, quantize, route, tile, untile, Experts, Int4Matrix, Int4Owned, Routing, GROUP,
+    deinterleave_nibbles, interleave_nibbles, moe_int4, quantize, route, tile, untile, Experts, Int4Matrix, Int4Owned,
+    Routing, GROUP,
 };
 use kdtree_engine::fixture::Fixture;
 use kdtree_engine::Error;
@@ -93,6 +94,16 @@ fn expert_output_matches_every_fixture() {
                 assert_bits(&name, "w13 (dequantized)", &row, &w13[r * h..(r + 1) * h]);
             }
         }
+    }
+}
+
+#[test]
+fn tiled_words_interleave_their_nibbles() {
+    // Input i of a word holds the value i: the tiled word lists inputs 0, 2, 4, 6 in nibbles 0..3 and
+    // 1, 3, 5, 7 in nibbles 4..7 (reference/README.md, "INT4 tiled layout").
+    assert_eq!(interleave_nibbles(0x7654_3210) as u32, 0x7531_6420);
+    for w in [0, -1, 0x1234_5678, i32::MIN, 0x0F0F_00FF] {
+        assert_eq!(deinterleave_nibbles(interleave_nibbles(w)), w, "{w:#x}");
     }
 }
 

@@ -153,11 +153,12 @@ impl Kernels {
             (_, moe_int4::Int4Layout::Native) => ["moe_down_native", "moe_down_wide_native"],
             (_, moe_int4::Int4Layout::Tiled) => ["moe_down_tiled", "moe_down_wide_tiled"],
         };
+        let down = family == "moe_down";
         let load = |name: &'static str, wide: bool| -> Result<(&'static str, CudaFunction)> {
             let f = module.load_function(name).map_err(|e| cuda_err("load_function", e))?;
             f.set_attribute(
                 sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                moe_int4::gemm_shared_bytes(wide) as i32,
+                moe_int4::gemm_shared_bytes_of(down, wide) as i32,
             )
             .map_err(|e| cuda_err("INT4 GEMM shared memory attribute", e))?;
             Ok((name, f))

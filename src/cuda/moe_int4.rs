@@ -24,19 +24,23 @@ pub const MAX_TOP_K: usize = 32;
 /// The most tokens a plan holds (the combine launches one row of blocks per token).
 pub const MAX_TOKENS: usize = 65_535;
 
-/// Warps per GEMM block (kernels/moe_int4.cu gemm_warps): both GEMMs split K over 4 warps; the narrow
-/// kernels run one row group per block, the wide ones two.
-const fn gemm_warps(wide: bool) -> usize {
-    if wide {
-        8
-    } else {
-        4
-    }
-}
+/// K slices of each GEMM (kernels/moe_int4.cu GATE_UP_KSPLIT, DOWN_KSPLIT): the warps that split a row
+/// group's K and sum their partials in order.
+const GATE_UP_KSPLIT: usize = 4;
+const DOWN_KSPLIT: usize = 1;
 /// Rows of a GEMM's row group: 16 h rows (gate/up) or 32 output rows (down).
 const GATE_UP_GROUP_ROWS: usize = 16;
 const DOWN_GROUP_ROWS: usize = 32;
-const GEMM_KSPLIT: usize = 4;
+
+/// Warps per GEMM block (kernels/moe_int4.cu gemm_warps): a narrow kernel runs one row group of `ksplit`
+/// warps, a wide one 8 warps.
+const fn gemm_warps(wide: bool, ksplit: usize) -> usize {
+    if wide {
+        8
+    } else {
+        ksplit
+    }
+}
 /// Bytes of one staged (16-row tile, chunk) in shared memory: the tiled layout's chunk image, or the
 /// native layout's 16 rows of 64 bytes padded to 80 plus their scales (kernels/moe_int4.cu).
 const STAGE_TILE_BYTES: usize = match LAYOUT {
@@ -51,16 +55,22 @@ const NARROW_TOKENS: usize = 8;
 
 /// Dynamic shared memory of a GEMM kernel: each warp's ring of stages (2 m16 tiles per stage) and the
 /// warps' partial sums (2 m16 tiles x n8 tiles x 128 floats). Must match BlockShape in the kernel.
-pub(crate) const fn gemm_shared_bytes(wide: bool) -> usize {
+const fn gemm_shared_bytes(wide: bool, ksplit: usize) -> usize {
     let (stages, n_tiles) = if wide { (2, 2) } else { (4, 1) };
-    let warps = gemm_warps(wide);
+    let warps = gemm_warps(wide, ksplit);
     warps * stages * 2 * STAGE_TILE_BYTES + warps * 2 * n_tiles * 128 * 4
 }
 
-/// Grid rows and threads of a GEMM launch over `rows` weight rows in row groups of `group_rows`.
-fn gemm_geometry(rows: usize, group_rows: usize, wide: bool) -> (u32, u32) {
-    let block_rows = group_rows * gemm_warps(wide) / GEMM_KSPLIT;
-    (rows.div_ceil(block_rows) as u32, (gemm_warps(wide) * 32) as u32)
+/// Shared memory of the gate/up (`down` false) or down GEMM.
+pub(crate) const fn gemm_shared_bytes_of(down: bool, wide: bool) -> usize {
+    gemm_shared_bytes(wide, if down { DOWN_KSPLIT } else { GATE_UP_KSPLIT })
+}
+
+/// Launch geometry of a GEMM over `rows` weight rows: grid rows, threads and shared memory.
+fn gemm_geometry(rows: usize, group_rows: usize, ksplit: usize, wide: bool) -> (u32, u32, u32) {
+    let warps = gemm_warps(wide, ksplit);
+    let block_rows = group_rows * warps / ksplit;
+    (rows.div_ceil(block_rows) as u32, (warps * 32) as u32, gemm_shared_bytes(wide, ksplit) as u32)
 }
 const STATUS_BAD_LOGIT: i32 = 1;
 const STATUS_BAD_EXPERT: i32 = 2;
@@ -446,12 +456,9 @@ impl MoePlan {
     ) -> Result<()> {
         let (name, f) = gpu.kernels.moe_gate_up(wide);
         let (h, i, k) = (self.shape.hidden as i32, self.shape.inter as i32, self.k as i32);
-        let (grid_rows, threads) = gemm_geometry(self.shape.inter, GATE_UP_GROUP_ROWS, wide);
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, grid_rows, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: gemm_shared_bytes(wide) as u32,
-        };
+        let (grid_rows, threads, shared) = gemm_geometry(self.shape.inter, GATE_UP_GROUP_ROWS, GATE_UP_KSPLIT, wide);
+        let cfg =
+            LaunchConfig { grid_dim: (blocks, grid_rows, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
         let mut a = KernelArgs::new(gpu);
         a.ptr(x).ptr(&experts.w13.packed).ptr(&experts.w13.scale).val(h).val(i).val(k);
         a.ptr(&self.active_slices).ptr(&self.num_active).ptr(&self.sorted_pairs).ptr_mut(&mut self.h);
@@ -461,12 +468,9 @@ impl MoePlan {
     fn launch_down(&mut self, gpu: &Gpu, experts: &DeviceExperts, blocks: u32, wide: bool) -> Result<()> {
         let (name, f) = gpu.kernels.moe_down(wide);
         let (h, i) = (self.shape.hidden as i32, self.shape.inter as i32);
-        let (grid_rows, threads) = gemm_geometry(self.shape.hidden, DOWN_GROUP_ROWS, wide);
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, grid_rows, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: gemm_shared_bytes(wide) as u32,
-        };
+        let (grid_rows, threads, shared) = gemm_geometry(self.shape.hidden, DOWN_GROUP_ROWS, DOWN_KSPLIT, wide);
+        let cfg =
+            LaunchConfig { grid_dim: (blocks, grid_rows, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
         let mut a = KernelArgs::new(gpu);
         a.ptr(&self.h).ptr(&experts.w2.packed).ptr(&experts.w2.scale).val(h).val(i);
         a.ptr(&self.active_slices).ptr(&self.num_active).ptr(&self.sorted_pairs).ptr_mut(&mut self.y);
