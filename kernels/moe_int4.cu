@@ -404,8 +404,8 @@ __device__ __forceinline__ uint4 load_act(const uint4* x, int g, int groups) {
 }
 
 // Multiplies one staged chunk (groups g0 .. g0 + 3) of MT m16 tiles with NT n8 tiles. With one n8 tile
-// the activations come prefetched in `xp`; with more they are loaded here, one group at a time, so they
-// do not all occupy registers at once.
+// the activations come from their stage in `xp`; with more they are loaded here, one group at a time, so
+// they do not all occupy registers at once.
 template <class Layout, int MT, int NT>
 __device__ __forceinline__ void chunk_mma(float (&acc)[MT][NT][4], const typename Layout::Stage* tiles,
                                           const uint4 (&xp)[CHUNK_GROUPS], const uint4* const (&act)[NT], int g0,
@@ -442,15 +442,44 @@ struct GemmArgs {
     int row0[MT];
 };
 
+// The activations of one chunk for one n8 tile, staged next to its weights: x[j][slot][c] holds
+// elements 8c .. 8c + 7 of group j of the chunk for token slot `slot`, the 16 bytes lane (slot, c) reads.
+struct ActStage {
+    uint4 x[CHUNK_GROUPS][8][4];
+};
+
+// Waits until at most `pending` cp.async groups are in flight (pending <= 2, else 2 is used).
+__device__ __forceinline__ void cp_async_wait_pending(int pending) {
+    if (pending <= 0) {
+        cp_async_wait<0>();
+    } else if (pending == 1) {
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<2>();
+    }
+}
+
 // A warp's partial sums over the chunks first, first + step, ... (`count` of them) for NT n8 tiles of
 // tokens; `act[n]` is the lane's activation row in n-tile n, advanced to element 8c (lanes past the
-// expert's tokens read any valid row: their columns are never stored). `ring` holds STAGES * MT stages.
-// The weights do not depend on any earlier kernel, so all STAGES stages are filled before
-// griddepcontrol.wait, and the activations, which may be the previous kernel's output, are read after it.
+// expert's tokens point at its last token: their columns are never stored). `ring` holds STAGES * MT
+// weight stages. The weights do not depend on any earlier kernel, so the first STAGES chunks' weights are
+// copied before griddepcontrol.wait, and the activations, which may be the previous kernel's output,
+// after it.
+//
+// With one n8 tile (the few-token case) the activations go through the cp.async pipeline as well, in
+// `acts` (STAGES ActStages): lane (r, c) copies its row's 64 bytes of a chunk when r < `tokens`, and
+// reads slot min(r, tokens - 1), so they arrive STAGES chunks ahead like the weights. cp.async groups:
+// W0 .. W(S-1) (weights of chunks 0 .. S-1), then A (their activations), then one group per later chunk
+// (its weights and activations); chunk i needs W_i and A for i < S, which leaves min(i, S - 1) newer
+// groups pending, and its own group for i >= S, which leaves S - 1. With more n8 tiles the activations
+// are loaded by each lane inside chunk_mma.
 template <class Layout, int MT, int NT, int STAGES>
 __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, const uint4* const (&act)[NT],
-                          int first, int count, int step, typename Layout::Stage* ring) {
+                          int tokens, int first, int count, int step, typename Layout::Stage* ring,
+                          ActStage* acts) {
+    static_assert(NT > 1 || STAGES <= 3, "cp_async_wait_pending covers up to 2 pending groups");
     const int groups = args.cols / GROUP;
+    const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3, slot = min(r, tokens - 1);
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -460,43 +489,56 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     Layout cursor[MT] = {Layout(args.packed, args.scale, args.row0[0], groups, first, step),
                          Layout(args.packed, args.scale, args.row0[1], groups, first, step)};
     static_assert(MT == 2, "the cursors above list two m16 tiles");
-    // The warp's chunk i lives in stage i % STAGES and is cp.async group i: all STAGES stages are filled
-    // up front, and each stage is refilled with the chunk STAGES ahead as soon as it has been consumed,
-    // so STAGES chunks are in flight whenever the warp waits for one.
-    auto issue = [&](int stage, bool any) {
-        if (any) {
+    auto stage_weights = [&](int stage) {
 #pragma unroll
-            for (int m = 0; m < MT; ++m) cursor[m].stage(ring + stage * MT + m);
+        for (int m = 0; m < MT; ++m) cursor[m].stage(ring + stage * MT + m);
+    };
+    // The lane's 64 bytes of chunk `chunk` (zeros past the last group).
+    auto stage_acts = [&](int stage, int chunk) {
+        if (r >= tokens) return;
+#pragma unroll
+        for (int j = 0; j < CHUNK_GROUPS; ++j) {
+            const int g = chunk * CHUNK_GROUPS + j;
+            const bool in = g < groups;
+            cp_async16(&acts[stage].x[j][r][c], in ? act[0] + g * (GROUP / 8) : act[0], in ? 16 : 0);
         }
-        cp_async_commit();  // also when empty, so the group count stays one per chunk
     };
 #pragma unroll 1
-    for (int s = 0; s < STAGES; ++s) issue(s, s < count);
+    for (int s = 0; s < STAGES; ++s) {
+        if (s < count) stage_weights(s);
+        cp_async_commit();  // also when empty, so the group count stays one per chunk
+    }
     pdl_wait();
     pdl_launch_dependents();
-    // One n8 tile: the activations of the next chunk load while this one computes (more n8 tiles load
-    // theirs inside chunk_mma).
-    uint4 x[CHUNK_GROUPS];
-#pragma unroll
-    for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = NT == 1 ? load_act(act[0], first * CHUNK_GROUPS + j, groups) : uint4{};
+    if (NT == 1) {
+#pragma unroll 1
+        for (int s = 0; s < STAGES && s < count; ++s) stage_acts(s, first + s * step);
+        cp_async_commit();
+    }
     // The A fragment of group_acts, made once: as an immediate, ptxas rebuilds it for every product.
     uint32_t minus136[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) asm volatile("mov.b32 %0, 0xC308C308;\n" : "=r"(minus136[i]));  // bf16 pair (-136, -136)
     int use = 0;  // the stage of chunk i
     for (int i = 0, chunk = first; i < count; ++i, chunk += step) {
-        uint4 x_next[CHUNK_GROUPS];
+        uint4 x[CHUNK_GROUPS];
+        if (NT == 1) {
+            cp_async_wait_pending(min(i, STAGES - 1));
+            __syncwarp();
 #pragma unroll
-        for (int j = 0; j < CHUNK_GROUPS; ++j)
-            x_next[j] = NT == 1 ? load_act(act[0], (chunk + step) * CHUNK_GROUPS + j, groups) : uint4{};
-        cp_async_wait<STAGES - 1>();  // STAGES + i groups committed: chunk i's has landed
-        __syncwarp();
+            for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = acts[use].x[j][slot][c];
+        } else {
+            cp_async_wait<STAGES - 1>();  // STAGES + i groups committed: chunk i's has landed
+            __syncwarp();
+        }
         chunk_mma<Layout, MT, NT>(acc, ring + use * MT, x, act, chunk * CHUNK_GROUPS, groups, minus136);
         __syncwarp();  // every lane is done with the stage before it is refilled
-        issue(use, i + STAGES < count);
+        if (i + STAGES < count) {
+            stage_weights(use);
+            if (NT == 1) stage_acts(use, chunk + STAGES * step);
+        }
+        cp_async_commit();
         use = use + 1 == STAGES ? 0 : use + 1;
-#pragma unroll
-        for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = x_next[j];
     }
     cp_async_wait<0>();
 }
@@ -530,25 +572,30 @@ struct BlockShape {
     static constexpr int WARPS = gemm_warps(NT, KSPLIT), THREADS = WARPS * 32;
     static constexpr int RGROUPS = WARPS / KSPLIT;
     static constexpr int FRAG = MT * NT * 128;  // accumulators of one warp
-    static constexpr size_t RING_BYTES = (size_t)WARPS * STAGES * MT * sizeof(Stage);
+    static constexpr size_t WEIGHT_RING_BYTES = (size_t)WARPS * STAGES * MT * sizeof(Stage);
+    static constexpr size_t ACT_RING_BYTES = NT == 1 ? (size_t)WARPS * STAGES * sizeof(ActStage) : 0;
+    static constexpr size_t RING_BYTES = WEIGHT_RING_BYTES + ACT_RING_BYTES;
     static constexpr size_t SHARED_BYTES = RING_BYTES + (size_t)WARPS * FRAG * sizeof(float);
 
     __device__ static Stage* ring(unsigned char* smem) {
         return reinterpret_cast<Stage*>(smem) + (threadIdx.x >> 5) * STAGES * MT;
+    }
+    __device__ static ActStage* act_ring(unsigned char* smem) {
+        return reinterpret_cast<ActStage*>(smem + WEIGHT_RING_BYTES) + (threadIdx.x >> 5) * STAGES;
     }
     __device__ static float* partials(unsigned char* smem) { return reinterpret_cast<float*>(smem + RING_BYTES); }
 
     // Runs the warp's share of a pass and leaves its accumulators in the partials.
     // A row group past the matrix (`rows_valid` false) computes nothing but still reaches the barriers.
     __device__ static void pass(unsigned char* smem, const GemmArgs<MT>& args, const uint4* const (&act)[NT],
-                                bool rows_valid) {
+                                int tokens, bool rows_valid) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kslice = warp % KSPLIT;
         const int chunks = (args.cols / GROUP + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
         // The K slices interleave by chunk (slice s takes chunks s, s + KSPLIT, ...), so a block's warps
         // read neighbouring chunks at about the same time.
         const int count = rows_valid ? (chunks - kslice + KSPLIT - 1) / KSPLIT : 0;
         float acc[MT][NT][4];
-        warp_gemm<Layout, MT, NT, STAGES>(acc, args, act, kslice, count, KSPLIT, ring(smem));
+        warp_gemm<Layout, MT, NT, STAGES>(acc, args, act, tokens, kslice, count, KSPLIT, ring(smem), act_ring(smem));
         float* out = partials(smem) + (size_t)warp * FRAG;
 #pragma unroll
         for (int m = 0; m < MT; ++m)
@@ -586,7 +633,7 @@ __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __r
             const int t = min(t0 + n * 8 + (lane >> 2), ex.count - 1);
             act[n] = reinterpret_cast<const uint4*>(x + (size_t)(sorted_pairs[ex.begin + t] / k) * H) + (lane & 3);
         }
-        Shape::pass(smem, args, act, true);
+        Shape::pass(smem, args, act, min(ex.count - t0, NT * 8), true);
         __syncthreads();
         for (int idx = threadIdx.x; idx < Shape::RGROUPS * NT * 128; idx += Shape::THREADS) {
             const int g = idx / (NT * 128), e = idx % (NT * 128);
@@ -620,7 +667,7 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
             const int t = min(t0 + n * 8 + (lane >> 2), ex.count - 1);
             act[n] = reinterpret_cast<const uint4*>(h + (size_t)(ex.begin + t) * I) + (lane & 3);
         }
-        Shape::pass(smem, args, act, r0 < H);
+        Shape::pass(smem, args, act, min(ex.count - t0, NT * 8), r0 < H);
         __syncthreads();
         for (int idx = threadIdx.x; idx < Shape::RGROUPS * Shape::FRAG; idx += Shape::THREADS) {
             const int g = idx / Shape::FRAG, e = idx % Shape::FRAG;
@@ -645,7 +692,7 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
 // and left T <= 8 within 1% (session 12, tiled).
 constexpr int GATE_UP_KSPLIT = 4;
 constexpr int DOWN_KSPLIT = 1;
-constexpr int NARROW_STAGES = 4;
+constexpr int NARROW_STAGES = 3;
 constexpr int WIDE_STAGES = 2;
 
 // Experts with at most 8 tokens take the narrow kernels (one n8 tile, a deep pipeline), the others the
@@ -709,6 +756,7 @@ constexpr bool fits_shared() {
 static_assert(fits_shared<NativeLayout>() && fits_shared<TiledLayout>(), "GEMM shared memory over 99 KB");
 static_assert(sizeof(NativeStage) == 1408, "src/cuda/moe_int4.rs sizes the native stages");
 static_assert(sizeof(StageTile) == 1152, "StageTile is the tiled layout's chunk image");
+static_assert(sizeof(ActStage) == 2048, "src/cuda/moe_int4.rs sizes the activation stages");
 
 // out[t, c] = Σ_slot weight[t, slot] · y[t * k + slot, c], in slot order, multiply and add rounded
 // separately as in the CPU reference. Grid: (ceil(H / 256), T).

@@ -53,12 +53,13 @@ const ROUTE_THREADS: u32 = MAX_EXPERTS as u32;
 /// Tokens per expert served by the narrow GEMM kernels (one n8 MMA tile); more go to the wide ones.
 const NARROW_TOKENS: usize = 8;
 
-/// Dynamic shared memory of a GEMM kernel: each warp's ring of stages (2 m16 tiles per stage) and the
-/// warps' partial sums (2 m16 tiles x n8 tiles x 128 floats). Must match BlockShape in the kernel.
+/// Dynamic shared memory of a GEMM kernel: each warp's ring of weight stages (2 m16 tiles per stage),
+/// for the narrow kernels each warp's ring of activation stages (2 KB each), and the warps' partial sums
+/// (2 m16 tiles x n8 tiles x 128 floats). Must match BlockShape in the kernel.
 const fn gemm_shared_bytes(wide: bool, ksplit: usize) -> usize {
-    let (stages, n_tiles) = if wide { (2, 2) } else { (4, 1) };
+    let (stages, n_tiles, act_stage) = if wide { (2, 2, 0) } else { (3, 1, ACT_STAGE_BYTES) };
     let warps = gemm_warps(wide, ksplit);
-    warps * stages * 2 * STAGE_TILE_BYTES + warps * 2 * n_tiles * 128 * 4
+    warps * stages * (2 * STAGE_TILE_BYTES + act_stage) + warps * 2 * n_tiles * 128 * 4
 }
 
 /// Shared memory of the gate/up (`down` false) or down GEMM.
@@ -72,6 +73,8 @@ fn gemm_geometry(rows: usize, group_rows: usize, ksplit: usize, wide: bool) -> (
     let block_rows = group_rows * warps / ksplit;
     (rows.div_ceil(block_rows) as u32, (warps * 32) as u32, gemm_shared_bytes(wide, ksplit) as u32)
 }
+/// Bytes of one chunk's activations for one n8 tile (kernels/moe_int4.cu ActStage).
+const ACT_STAGE_BYTES: usize = 2048;
 const STATUS_BAD_LOGIT: i32 = 1;
 const STATUS_BAD_EXPERT: i32 = 2;
 
