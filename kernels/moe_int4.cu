@@ -689,7 +689,9 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
 // down GEMM has 1792 one-warp blocks of 37 KB, 13 or 14 per SM, where 256-row blocks of 8 K-split warps
 // gave 224 blocks of 295 KB, 1 or 2 per SM (18% over the mean; Nsight Compute: 46% of DRAM bandwidth).
 // Against 4 K slices for down, one slice took T 16 from 784 to 765 us and T 256 from 3.79 to 3.43 ms
-// and left T <= 8 within 1% (session 12, tiled).
+// and left T <= 8 within 1% (session 12, tiled). The narrow kernels stage 3 chunks of weights and
+// activations per warp (13 KB with the tiled stages): four 4-warp gate/up blocks or 15 one-warp down
+// blocks fit an SM's 228 KB (three gate/up blocks with the larger native stages).
 constexpr int GATE_UP_KSPLIT = 4;
 constexpr int DOWN_KSPLIT = 1;
 constexpr int NARROW_STAGES = 3;
