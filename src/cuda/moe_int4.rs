@@ -47,6 +47,8 @@ const STAGE_TILE_BYTES: usize = match LAYOUT {
     Int4Layout::Native => 1408,
     Int4Layout::Tiled => 1152,
 };
+/// Bytes of one chunk's activations for one n8 tile (kernels/moe_int4.cu ActStage).
+const ACT_STAGE_BYTES: usize = 2048;
 const ALIGN_THREADS: u32 = 512;
 /// Threads of a routing CTA (one token each): one per expert, up to kernels/moe_int4.cu MAX_EXPERTS.
 const ROUTE_THREADS: u32 = MAX_EXPERTS as u32;
@@ -73,8 +75,7 @@ fn gemm_geometry(rows: usize, group_rows: usize, ksplit: usize, wide: bool) -> (
     let block_rows = group_rows * warps / ksplit;
     (rows.div_ceil(block_rows) as u32, (warps * 32) as u32, gemm_shared_bytes(wide, ksplit) as u32)
 }
-/// Bytes of one chunk's activations for one n8 tile (kernels/moe_int4.cu ActStage).
-const ACT_STAGE_BYTES: usize = 2048;
+
 const STATUS_BAD_LOGIT: i32 = 1;
 const STATUS_BAD_EXPERT: i32 = 2;
 
