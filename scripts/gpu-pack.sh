@@ -9,7 +9,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${NVCC:?set NVCC to the nvcc that scripts/install-nvcc.sh printed}"
 features="cuda-13000${1:+,$1}"
-rm -rf gpu-pack && mkdir -p gpu-pack/tests gpu-pack/benches gpu-pack/examples
+# gpu-pack/variants/ (scripts/gpu-variant.sh) is kept: remove what should not travel.
+rm -rf gpu-pack/tests gpu-pack/benches gpu-pack/examples gpu-pack/bundle.tar.xz
+mkdir -p gpu-pack/tests gpu-pack/benches gpu-pack/examples
 copy_executables() { # $1: destination, $2: target kind (test or bench); stdin: cargo's JSON messages
     python3 -c '
 import json, shutil, sys
