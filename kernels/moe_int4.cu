@@ -336,7 +336,7 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
 }
 
 // bf16 pair (lo, hi) = 128 + (nibble at bit `shift`, nibble at bit `shift + 16`), exact: 0x4300 | n is the
-// bf16 128 + n. The 136 = 128 + 8 of the offset and the stored q + 8 is taken off by group_offset, so a
+// bf16 128 + n. The 136 = 128 + 8 of the offset and the stored q + 8 is taken off by group_acts, so a
 // nibble pair costs one LOP3 (and a shift) instead of a third instruction for a bf16 subtraction.
 __device__ __forceinline__ uint32_t offset_pair(uint32_t w, int shift) {
     return and_or(w >> shift, 0x000F000Fu, 0x43004300u);
@@ -374,9 +374,9 @@ __device__ __forceinline__ GroupActs group_acts(uint4 x, const uint32_t (&minus1
 
 // One group of one (m16 tile, n8 tile). The lane's words (rows r, r + 8) hold group elements 8c .. 8c + 7
 // in nibble pairs that the activations in `x` match, so the k order inside the MMA is a permutation of
-// the group that A and B share. The products (128 + nibble) * x are
-// exact in the MMA, which sums them onto -136 * sum(x), so the group sum is that of (nibble - 8) * x up
-// to f32 rounding; the group's scale is applied once, in f32.
+// the group that A and B share. The products (128 + nibble) * x are exact in the MMA, which sums them onto
+// -136 * sum(x), so the group sum is that of (nibble - 8) * x up to f32 rounding; the group's scale is
+// applied once, in f32.
 __device__ __forceinline__ void group_mma(float (&acc)[4], uint32_t w0, uint32_t w1, float s0, float s1,
                                           const GroupActs& x) {
     float part[4] = {x.offset[0], x.offset[1], x.offset[2], x.offset[3]};
@@ -391,7 +391,9 @@ __device__ __forceinline__ void group_mma(float (&acc)[4], uint32_t w0, uint32_t
 }
 
 // Word j of a uint4 (j a compile-time constant after unrolling).
-__device__ __forceinline__ uint32_t word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+__device__ __forceinline__ uint32_t word(const uint4& v, int j) {
+    return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
 
 // The f32 values of a word's two bf16 halves (exact: a bf16 is the upper half of its f32).
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
@@ -518,7 +520,7 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     // The A fragment of group_acts, made once: as an immediate, ptxas rebuilds it for every product.
     uint32_t minus136[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) asm volatile("mov.b32 %0, 0xC308C308;\n" : "=r"(minus136[i]));  // bf16 pair (-136, -136)
+    for (int i = 0; i < 4; ++i) asm volatile("mov.b32 %0, 0xC308C308;\n" : "=r"(minus136[i]));  // (-136, -136)
     int use = 0;  // the stage of chunk i
     for (int i = 0, chunk = first; i < count; ++i, chunk += step) {
         uint4 x[CHUNK_GROUPS];
@@ -726,17 +728,21 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
     pdl_wait();  // rule W on every path (warp_gemm has waited already where the block computed)
 }
 
-#define KDT_MOE_GEMMS(LAYOUT, NT, STAGES, SUFFIX) \
-    extern "C" __global__ void __launch_bounds__(gemm_warps(NT, GATE_UP_KSPLIT) * 32, gemm_min_blocks(NT, GATE_UP_KSPLIT)) moe_gate_up_##SUFFIX(                            \
-        const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,                                 \
-        const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k, const int4* __restrict__ slices,     \
-        const int* __restrict__ num_active, const int* __restrict__ pairs, __nv_bfloat16* __restrict__ h) {    \
+#define KDT_MOE_GEMMS(LAYOUT, NT, STAGES, SUFFIX)                                                          \
+    extern "C" __global__ void __launch_bounds__(gemm_warps(NT, GATE_UP_KSPLIT) * 32,                         \
+                                                 gemm_min_blocks(NT, GATE_UP_KSPLIT))                         \
+        moe_gate_up_##SUFFIX(const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,           \
+                             const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k,                \
+                             const int4* __restrict__ slices, const int* __restrict__ num_active,             \
+                             const int* __restrict__ pairs, __nv_bfloat16* __restrict__ h) {                  \
         gate_up_kernel<LAYOUT, NT, STAGES>(x, w13, w13_scale, H, I, k, slices, num_active, pairs, h);          \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(gemm_warps(NT, DOWN_KSPLIT) * 32, gemm_min_blocks(NT, DOWN_KSPLIT)) moe_down_##SUFFIX(                            \
-        const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,                                  \
-        const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int4* __restrict__ slices,             \
-        const int* __restrict__ num_active, const int* __restrict__ pairs, float* __restrict__ y) {            \
+    extern "C" __global__ void __launch_bounds__(gemm_warps(NT, DOWN_KSPLIT) * 32,                            \
+                                                 gemm_min_blocks(NT, DOWN_KSPLIT))                            \
+        moe_down_##SUFFIX(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,               \
+                          const __nv_bfloat16* __restrict__ w2_scale, int H, int I,                           \
+                          const int4* __restrict__ slices, const int* __restrict__ num_active,                \
+                          const int* __restrict__ pairs, float* __restrict__ y) {                             \
         down_kernel<LAYOUT, NT, STAGES>(h, w2, w2_scale, H, I, slices, num_active, pairs, y);                  \
     }
 
@@ -803,7 +809,8 @@ extern "C" __global__ void int4_tile(const uint32_t* __restrict__ packed, const 
             for (int j = 0; j < CHUNK_GROUPS; ++j) {
                 const int g = chunk * CHUNK_GROUPS + j;
                 packed_tiled[tile * 256 + half * 128 + lane * 4 + j] =
-                    g < groups ? interleave_nibbles(packed[(size_t)(row0 + r + 8 * half) * groups * 4 + g * 4 + c]) : 0u;
+                    g < groups ? interleave_nibbles(packed[(size_t)(row0 + r + 8 * half) * groups * 4 + g * 4 + c])
+                               : 0u;
             }
         if (lane < 16) {
             const int row = lane & 7, half = lane >> 3;
