@@ -39,7 +39,9 @@
 // the next sub-tile lands while this one is used), with an online softmax in base 2 and three barriers
 // per sub-tile. (A ring of five 16-key stages with four sub-tiles in flight, commit 51c4176, measured
 // 5-15% slower on the H200: the per-sub-tile chain S -> softmax -> P.V, not the loads' latency, bounds
-// a CTA, so the work here goes into shortening that chain.) S = Q.K^T uses mma.m16n8k16 bf16 with Q in registers: each warp
+// a CTA, so the work here goes into shortening that chain. Asking L2 for the rows of the sub-tiles 1-3
+// ahead of the cp.async stream, prefetch.global.L2 per line, was 7-20% slower on every row, the more
+// so the further ahead.) S = Q.K^T uses mma.m16n8k16 bf16 with Q in registers: each warp
 // owns one dim quarter (144 dims) of the tile for two key n-tiles, accumulating the even and odd k-steps
 // of each separately (four interleaved chains of at most 5 dependent mmas, then added), and the four
 // quarter partials are added in a fixed order through shared memory (columns swizzled by s_col, so
@@ -62,7 +64,7 @@ constexpr int NT = 4;                // mma N tiles (8 keys each) of S per sub-t
 constexpr int BK = 8 * NT;           // keys per shared-memory sub-tile
 constexpr int STAGES = 2;            // cp.async ring: the next sub-tile lands while this one is used
 constexpr int S_NT = 2;              // S n-tiles per warp
-constexpr int KV_STRIDE = ROW + 8;   // 16 B of padding per row: ldmatrix rows fall in distinct banks
+constexpr int KV_STRIDE = ROW;       // unpadded rows, 16-byte pieces swizzled (see swizzle)
 constexpr int S_STRIDE = BK;         // S partial rows of 128 B, columns swizzled by s_col
 constexpr int P_STRIDE = BK + 8;     // P rows of 80 B: the 8 rows of an ldmatrix hit distinct banks
 constexpr int QUARTER = ROW / 4;     // dims per S partial sum
@@ -118,7 +120,7 @@ struct Smem {
 
 // 99 KB is the most a block may take on sm_120; on sm_90 two blocks fit an SM.
 static_assert(sizeof(Smem) <= 99 * 1024, "shared memory budget");
-static_assert(sizeof(Smem) == 87744, "mirrored by CHUNK_SHARED_BYTES in src/cuda/mla.rs");
+static_assert(sizeof(Smem) == 86720, "mirrored by CHUNK_SHARED_BYTES in src/cuda/mla.rs");
 
 // What one CTA computes: query rows [row0, row1) over chunk `chunk` of a sequence of `len` rows whose
 // first `prefix` are slots 0..prefix and whose rest are the tree rows set in `vis` (nullptr: none).
@@ -195,6 +197,15 @@ __device__ void build_key_list(Smem& s, const Task& t, const Pages& pg, int n_ro
     }
 }
 
+// Sub-tile rows are unpadded, and row r keeps its 16-byte piece p at p ^ (r mod 8): an ldmatrix reads
+// the same logical piece of 8 consecutive rows, which so fall in distinct banks, and each 128-byte line
+// of a cache row lands on a 128-byte line of shared memory. (With 16 bytes of padding per row instead,
+// the copies' unaligned destinations made L2 serve every sector about 1.5 times: 7.2M sector reads
+// against 4.8M for an H 8 decode at bs 8, prefix 16384, on the H200, and 5-13% more time.) The XOR
+// touches the low three bits only, so piece p + 8m sits at (p ^ (r mod 8)) + 8m: the users below take
+// one swizzled base per lane and add plain offsets.
+__device__ __forceinline__ int swizzle(int piece, int row) { return piece ^ (row & 7); }
+
 // Queues the cache rows of sub-tile `sub` into `stage` (nothing unless `active`); keys past the chunk
 // are zero-filled so that their (zero) probabilities never meet stale or uninitialized values.
 __device__ __forceinline__ void load_subtile(Smem& s, const __nv_bfloat16* cache, int sub, int nkeys, int stage,
@@ -205,10 +216,12 @@ __device__ __forceinline__ void load_subtile(Smem& s, const __nv_bfloat16* cache
     const int k = threadIdx.x / LOAD_THREADS, first = threadIdx.x % LOAD_THREADS;
     const int key = sub * BK + k;
     const bool valid = key < nkeys;
-    const __nv_bfloat16* src = cache + (valid ? s.key_off[key] : 0);
+    const __nv_bfloat16* src = cache + (valid ? s.key_off[key] : 0) + 8 * first;
+    __nv_bfloat16* dst = &s.kv[stage][k][8 * swizzle(first, k)];
+    static_assert(PIECES % LOAD_THREADS == 0 && LOAD_THREADS == 8, "one 128-byte line of a row per step");
 #pragma unroll
-    for (int piece = first; piece < PIECES; piece += LOAD_THREADS)
-        cp_async16(&s.kv[stage][k][piece * 8], src + piece * 8, valid ? 16 : 0);
+    for (int line = 0; line < PIECES / LOAD_THREADS; ++line)
+        cp_async16(dst + 64 * line, src + 64 * line, valid ? 16 : 0);
 }
 
 // Q fragments of one dim quarter for the tile rows r and r + 8 (zero past row1).
@@ -241,14 +254,18 @@ __device__ __forceinline__ void scores(Smem& s, int stage, const uint32_t (&qa)[
     for (int nt = 0; nt < S_NT; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][0][i] = acc[nt][1][i] = 0.f;
-    const __nv_bfloat16* base = &s.kv[stage][n0 * 8 + (lane & 7)][quarter * QUARTER + 8 * (lane >> 3)];
+    // Lane (row, piece) of x4 j reads piece p + 4j of its row, p = quarter * 18 + lane / 8: for even j
+    // that is swizzled p plus 4j pieces, for odd j swizzled p + 4 plus 4(j - 1) (see swizzle).
+    const int row = n0 * 8 + (lane & 7), piece = quarter * QUARTER / 8 + (lane >> 3);
+    const __nv_bfloat16* even = &s.kv[stage][row][8 * swizzle(piece, row)];
+    const __nv_bfloat16* odd = &s.kv[stage][row][8 * swizzle(piece + 4, row)];
     // Each x4 holds two k-steps of one n-tile, loaded after the mmas of the pair before (whose chain
-    // step the next pair waits for anyway). The last step (dims 128..143 of the quarter) is an x2
-    // (lanes 16..31 give no address).
+    // step the next pair waits for anyway). The last step (dims 128..143 of the quarter, piece p + 16
+    // for lanes 0..15) is an x2 (lanes 16..31 give no address).
     constexpr int PAIRS = QUARTER_STEPS / 2;
     uint32_t b[S_NT][4];
 #pragma unroll
-    for (int nt = 0; nt < S_NT; ++nt) ldmatrix_x4(b[nt], base + nt * 8 * KV_STRIDE);
+    for (int nt = 0; nt < S_NT; ++nt) ldmatrix_x4(b[nt], even + nt * 8 * KV_STRIDE);
 #pragma unroll
     for (int j = 0; j < PAIRS; ++j) {
 #pragma unroll
@@ -258,10 +275,11 @@ __device__ __forceinline__ void scores(Smem& s, int stage, const uint32_t (&qa)[
 #pragma unroll
         for (int nt = 0; nt < S_NT; ++nt) {
             if (j + 1 < PAIRS) {
-                ldmatrix_x4(b[nt], base + nt * 8 * KV_STRIDE + 32 * (j + 1));
+                const int step = j + 1;  // x4 number
+                ldmatrix_x4(b[nt], (step % 2 == 0 ? even : odd) + nt * 8 * KV_STRIDE + 32 * (step / 2 * 2));
             } else {
                 uint32_t last[2];
-                ldmatrix_x2(last, base - 16 * (lane >> 4) + nt * 8 * KV_STRIDE + 16 * (QUARTER_STEPS - 1));
+                ldmatrix_x2(last, even + nt * 8 * KV_STRIDE + 8 * 2 * (QUARTER_STEPS - 1));
                 b[nt][0] = last[0];
                 b[nt][1] = last[1];
             }
@@ -341,7 +359,10 @@ __device__ __forceinline__ void accumulate_pv(Smem& s, int stage, float (&o)[MT]
     // Every fragment of the sub-tile is loaded first (the asm statements keep their order), so that the
     // loads overlap each other and the rescale below instead of each waiting in front of its mmas.
     uint32_t ph[KS][MT][4], pl[KS][MT][4], v[KS][PAIRS][4];
+    // Lane (key, half) of x4 `pair` reads piece 8 * warp + 2 * pair + half of its key row: pairs differ in
+    // the swizzled bits, so each has its own offset.
     const int vkey = (lane & 7) + 8 * ((lane >> 3) & 1);
+    const __nv_bfloat16* vrow = &s.kv[stage][vkey][warp * WARP_DIMS];
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
 #pragma unroll
@@ -351,8 +372,7 @@ __device__ __forceinline__ void accumulate_pv(Smem& s, int stage, float (&o)[MT]
         }
 #pragma unroll
         for (int pair = 0; pair < PAIRS; ++pair)
-            ldmatrix_x4_trans(v[ks][pair],
-                              &s.kv[stage][16 * ks + vkey][warp * WARP_DIMS + pair * 16 + 8 * (lane >> 4)]);
+            ldmatrix_x4_trans(v[ks][pair], vrow + 16 * ks * KV_STRIDE + 8 * swizzle(pair * 2 + (lane >> 4), vkey));
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {

@@ -48,12 +48,12 @@ const TAIL_CHUNKS: u32 = 2;
 /// Largest N (tree rows per request) `tree_verify` takes: budget 256 plus the root.
 pub const MAX_TREE_ROWS: usize = SPLIT + 1;
 
-/// Dynamic shared memory of `mla_chunk` (kernels/mla.cu `struct Smem`): 2 stages of 32 padded key
+/// Dynamic shared memory of `mla_chunk` (kernels/mla.cu `struct Smem`): 2 stages of 32 unpadded key
 /// rows, the four S partial tiles (16 rows of 32 floats), P as bf16 hi and lo (16 rows of 40), the
-/// rescale and fold factors and the chunk's key offsets: 87744 bytes, two CTAs per H200 SM and under the
+/// rescale and fold factors and the chunk's key offsets: 86720 bytes, two CTAs per H200 SM and under the
 /// 99 KB a block may take on sm_120.
 pub(crate) const CHUNK_SHARED_BYTES: usize =
-    2 * 32 * (ROW + 8) * 2 + 4 * 16 * 32 * 4 + 2 * 16 * 40 * 2 + 3 * 16 * 4 + SPLIT * 8;
+    2 * 32 * ROW * 2 + 4 * 16 * 32 * 4 + 2 * 16 * 40 * 2 + 3 * 16 * 4 + SPLIT * 8;
 /// Chunks per fold group (kernels/mla.cu FOLD).
 const FOLD: usize = 4;
 /// `mla_chunk` CTAs resident at once on an H200: 132 SMs, two CTAs each (launch bounds and shared memory).
