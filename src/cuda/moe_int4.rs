@@ -41,12 +41,10 @@ const fn gemm_warps(wide: bool, ksplit: usize) -> usize {
         ksplit
     }
 }
-/// Bytes of one staged (16-row tile, chunk) in shared memory: the tiled layout's chunk image, or the
-/// native layout's 16 rows of 64 bytes padded to 80 plus their scales (kernels/moe_int4.cu).
-const STAGE_TILE_BYTES: usize = match LAYOUT {
-    Int4Layout::Native => 1408,
-    Int4Layout::Tiled => 1152,
-};
+/// Bytes of one staged (16-row tile, chunk) in shared memory, the same in both layouts: the tiled
+/// layout's chunk image, or the native layout's 16 unpadded rows of 64 bytes, both followed by the 16
+/// rows' scales (kernels/moe_int4.cu StageTile, NativeStage).
+const STAGE_TILE_BYTES: usize = 1152;
 /// Bytes of one chunk's activations for one n8 tile (kernels/moe_int4.cu ActStage).
 const ACT_STAGE_BYTES: usize = 2048;
 const ALIGN_THREADS: u32 = 512;
