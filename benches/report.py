@@ -108,6 +108,29 @@ def compact_table(res):
     return lines
 
 
+def gemm_table(res):
+    """Dense bf16 GEMM: the weight bytes (N · K bf16) over the run's time, against the copy ceiling."""
+    ceiling = copy_ceiling(res, "gemm_bf16")
+    lines = ["### gemm_bf16 (dense projections, bf16 weights, f32 activations split into bf16 hi + lo)", ""]
+    if ceiling:
+        lines += [f"Device-to-device copy in the same run: **{ceiling:.0f} GB/s** (read + write).", ""]
+    lines += ["| N | K | T | weight MB | CPU | GPU | speedup | GB/s | % copy |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    keys = sorted({p for (g, _, p) in res if g == "gemm_bf16"}, key=lambda p: (params(p)["n"] * params(p)["k"], params(p)["t"]))
+    for p in keys:
+        q = params(p)
+        cpu, gpu = res.get(("gemm_bf16", "cpu", p)), res.get(("gemm_bf16", "gpu", p))
+        weight_bytes = 2 * q["n"] * q["k"]
+        cells = [str(q["n"]), str(q["k"]), str(q["t"]), f"{weight_bytes / 1e6:.0f}", fmt_time(cpu) if cpu else "–",
+                 fmt_time(gpu) if gpu else "–", fmt_speedup(cpu, gpu)]
+        if gpu:
+            gbs = weight_bytes / gpu
+            cells += [f"{gbs:.0f}", f"{100 * gbs / ceiling:.0f}%" if ceiling else "–"]
+        else:
+            cells += ["–", "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 MLA_ROW_BYTES = 1152  # one cache row: 576 bf16
 
 
@@ -266,6 +289,8 @@ def render(res, root):
                                  "greedy_accept: argmax + walk (N = B + 1 rows, all valid)") + [""]
     if any(g == "kv_compact" for (g, _, _) in res):
         lines += compact_table(res) + [""]
+    if any(g == "gemm_bf16" for (g, _, _) in res):
+        lines += gemm_table(res) + [""]
     if any(g == "mla" for (g, _, _) in res):
         lines += mla_tables(res) + [""]
     for group in ("moe_int4", "moe_int4_tiled"):
