@@ -218,7 +218,7 @@ fn bad_input_is_a_named_error() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use common::{assert_bits, gpu};
+    use common::{assert_bits, capture_gpu, gpu, replay_graph};
     use kdtree_engine::cpu::tree_build::build_trees;
     use kdtree_engine::TreeShape;
     use proptest::prelude::*;
@@ -473,6 +473,64 @@ mod gpu {
             let name = format!("folded decode request {b}");
             assert_bits(&name, "o", &alone.o, &batch.o[b * heads * LATENT..(b + 1) * heads * LATENT]);
             assert_bits(&name, "lse", &alone.lse, &batch.lse[b * heads..(b + 1) * heads]);
+        }
+    }
+
+    /// Decode and tree-verify runs captured in one graph and replayed give the eager runs' bits. The
+    /// runs share one plan's scratch, and every kernel of a run starts while the one before it still runs
+    /// (programmatic dependent launch, most of all inside a graph), so a kernel that touched the scratch or
+    /// the status word before the previous kernel was done would show here.
+    #[test]
+    fn gpu_runs_replayed_from_a_graph_give_the_eager_bits() {
+        use kdtree_engine::cuda::mla::{DeviceCache, DeviceMlaOutput, MlaPlan};
+        let Some(own) = capture_gpu() else { return };
+        let gpu = &own;
+        let (heads, steps) = (8usize, 3usize);
+        // Prefixes of several chunks, one of them long enough for the tree prefix to span fold groups.
+        let t = tree_batch(81, heads, vec![1500, 300, 65], 16);
+        let (bs, rows) = (t.seq.len(), t.n * heads);
+        let max_len = *t.seq.iter().max().unwrap() as usize + t.n;
+        let mut next = xorshift(82);
+        let q = gpu.upload(&random_bf16(&mut next, steps * bs * rows * ROW)).unwrap();
+        let (cache_rows, table) = (gpu.upload(&t.s.rows).unwrap(), gpu.upload(&t.s.table).unwrap());
+        let (seq, vis) = (gpu.upload(&t.seq).unwrap(), gpu.upload(&t.vis).unwrap());
+        let cache = DeviceCache { rows: cache_rows.as_view(), layout: t.s.layout, block_table: table.as_view() };
+        let mut plan = MlaPlan::new(gpu, bs, heads, max_len, t.n).unwrap();
+        // Per step: a decode (over the step's first bs · H query rows), then a tree verify; every
+        // output buffer holds all steps.
+        let (dec_rows, tree_rows) = (bs * heads, bs * rows);
+        let outputs = || -> [cudarc::driver::CudaSlice<f32>; 4] {
+            [dec_rows * LATENT, dec_rows, tree_rows * LATENT, tree_rows].map(|n| gpu.zeros::<f32>(steps * n).unwrap())
+        };
+        let run = |plan: &mut MlaPlan, out: &mut [cudarc::driver::CudaSlice<f32>; 4]| {
+            let [dec_o, dec_lse, tree_o, tree_lse] = out;
+            for s in 0..steps {
+                let q_step = q.slice(s * tree_rows * ROW..(s + 1) * tree_rows * ROW);
+                let q_dec = q.slice(s * tree_rows * ROW..s * tree_rows * ROW + dec_rows * ROW);
+                let mut dec = DeviceMlaOutput {
+                    o: dec_o.slice_mut(s * dec_rows * LATENT..(s + 1) * dec_rows * LATENT),
+                    lse: dec_lse.slice_mut(s * dec_rows..(s + 1) * dec_rows),
+                };
+                plan.run_decode(gpu, &q_dec, &cache, &seq.as_view(), max_len, scale(), &mut dec).unwrap();
+                let mut tree = DeviceMlaOutput {
+                    o: tree_o.slice_mut(s * tree_rows * LATENT..(s + 1) * tree_rows * LATENT),
+                    lse: tree_lse.slice_mut(s * tree_rows..(s + 1) * tree_rows),
+                };
+                let vis = vis.as_view();
+                plan.run_tree_verify(gpu, &q_step, t.n, &cache, &seq.as_view(), max_len, &vis, scale(), &mut tree)
+                    .unwrap();
+            }
+        };
+        let mut eager = outputs();
+        run(&mut plan, &mut eager);
+        plan.check_status(gpu).unwrap();
+        let mut replayed = outputs();
+        replay_graph(gpu, 3, || run(&mut plan, &mut replayed));
+        plan.check_status(gpu).unwrap();
+        for (name, (got, want)) in
+            ["decode o", "decode lse", "tree o", "tree lse"].iter().zip(replayed.iter().zip(&eager))
+        {
+            assert_bits("graph replay", name, &gpu.download(got).unwrap(), &gpu.download(want).unwrap());
         }
     }
 

@@ -286,7 +286,9 @@ impl MlaPlan {
     }
 
     /// One `mla_chunk` launch in `mode` over `grid` (m-tiles, request groups, chunk slots or, with
-    /// `fold`, fold groups).
+    /// `fold`, fold groups). The MLA kernels are launched plainly: as programmatic dependent launches,
+    /// each waiting before its first load, they measured 35-40% slower on the H200 at H 8 bs 8 prefix
+    /// 4096 and H 16 bs 1 prefix 16384 (4% faster at H 8 bs 1 prefix 1024, within 1% elsewhere).
     fn launch_chunks(&mut self, gpu: &Gpu, mode: i32, fold: bool, grid: (u32, u32, u32), x: &Inputs) -> Result<()> {
         let l = &x.cache.layout;
         let geometry = [l.num_pages as i32, l.page_size as i32, l.pages_per_req as i32];
