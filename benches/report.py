@@ -48,11 +48,25 @@ def copy_ceiling(res, label):
     return None if ns is None else 2 * (1 << 30) / ns  # bytes per ns = GB/s
 
 
-def bandwidth_table(res, group, rows_of, title):
-    ceiling = copy_ceiling(res, group)
+def table_start(res, label, title):
+    """A table's title and, when the run measured it, its copy ceiling: (lines, ceiling or None)."""
+    ceiling = copy_ceiling(res, label)
     lines = [f"### {title}", ""]
     if ceiling:
         lines += [f"Device-to-device copy in the same run: **{ceiling:.0f} GB/s** (read + write).", ""]
+    return lines, ceiling
+
+
+def bandwidth_cells(bytes_, ns, ceiling):
+    """The GB/s and % copy cells of `bytes_` moved in `ns` (dashes without a time)."""
+    if not ns:
+        return ["–", "–"]
+    gbs = bytes_ / ns
+    return [f"{gbs:.0f}", f"{100 * gbs / ceiling:.0f}%" if ceiling else "–"]
+
+
+def bandwidth_table(res, group, rows_of, title):
+    lines, ceiling = table_start(res, group, title)
     lines += ["| bs | B | V | CPU f32 | GPU f32 | speedup | GB/s | % copy | GPU bf16 | GB/s | % copy |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     keys = sorted({p for (g, _, p) in res if g == group}, key=lambda p: (-params(p)["v"], params(p)["b"], params(p)["bs"]))
@@ -89,31 +103,22 @@ def tree_table(res):
 
 def compact_table(res):
     """KV compaction: bytes read plus written (61 layers, 1152 B rows), against the copy ceiling."""
-    ceiling = copy_ceiling(res, "kv_compact")
-    lines = ["### kv_compact (61 layers, 576-element rows, page 64)", ""]
-    if ceiling:
-        lines += [f"Device-to-device copy in the same run: **{ceiling:.0f} GB/s** (read + write).", ""]
+    lines, ceiling = table_start(res, "kv_compact", "kv_compact (61 layers, 576-element rows, page 64)")
     lines += ["| bs | accepted | CPU | GPU | speedup | GB/s | % copy |", "|---:|---:|---:|---:|---:|---:|---:|"]
     keys = sorted({p for (g, _, p) in res if g == "kv_compact"}, key=lambda p: (params(p)["a"], params(p)["bs"]))
     for p in keys:
         q = params(p)
         cpu, gpu = res.get(("kv_compact", "cpu", p)), res.get(("kv_compact", "gpu", p))
         cells = [str(q["bs"]), str(q["a"]), fmt_time(cpu) if cpu else "–", fmt_time(gpu) if gpu else "–", fmt_speedup(cpu, gpu)]
-        if gpu:
-            gbs = 2 * q["bs"] * q["a"] * 61 * 1152 / gpu
-            cells += [f"{gbs:.0f}", f"{100 * gbs / ceiling:.0f}%" if ceiling else "–"]
-        else:
-            cells += ["–", "–"]
+        cells += bandwidth_cells(2 * q["bs"] * q["a"] * 61 * 1152, gpu, ceiling)
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
 def gemm_table(res):
     """Dense bf16 GEMM: the weight bytes (N · K bf16) over the run's time, against the copy ceiling."""
-    ceiling = copy_ceiling(res, "gemm_bf16")
-    lines = ["### gemm_bf16 (dense projections, bf16 weights, f32 activations split into bf16 hi + lo)", ""]
-    if ceiling:
-        lines += [f"Device-to-device copy in the same run: **{ceiling:.0f} GB/s** (read + write).", ""]
+    title = "gemm_bf16 (dense projections, bf16 weights, f32 activations split into bf16 hi + lo)"
+    lines, ceiling = table_start(res, "gemm_bf16", title)
     lines += ["| N | K | T | weight MB | CPU | GPU | speedup | GB/s | % copy |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     keys = sorted({p for (g, _, p) in res if g == "gemm_bf16"}, key=lambda p: (params(p)["n"] * params(p)["k"], params(p)["t"]))
     for p in keys:
@@ -122,11 +127,7 @@ def gemm_table(res):
         weight_bytes = 2 * q["n"] * q["k"]
         cells = [str(q["n"]), str(q["k"]), str(q["t"]), f"{weight_bytes / 1e6:.0f}", fmt_time(cpu) if cpu else "–",
                  fmt_time(gpu) if gpu else "–", fmt_speedup(cpu, gpu)]
-        if gpu:
-            gbs = weight_bytes / gpu
-            cells += [f"{gbs:.0f}", f"{100 * gbs / ceiling:.0f}%" if ceiling else "–"]
-        else:
-            cells += ["–", "–"]
+        cells += bandwidth_cells(weight_bytes, gpu, ceiling)
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -200,10 +201,7 @@ def moe_table(res, root, group):
     """MoE at Kimi dims: weight bytes of the touched experts over time, against the copy ceiling and the
     cuBLAS bf16 baseline of the same run."""
     layout = "tiled" if group.endswith("_tiled") else "native"
-    ceiling = copy_ceiling(res, group)
-    lines = [f"### moe_int4 ({layout} layout): H 7168, I 2048, 384 experts, top-8", ""]
-    if ceiling:
-        lines += [f"Device-to-device copy in the same run: **{ceiling:.0f} GB/s** (read + write).", ""]
+    lines, ceiling = table_start(res, group, f"moe_int4 ({layout} layout): H 7168, I 2048, 384 experts, top-8")
     lines += ["GB/s = packed weights + scales of the distinct experts the routing touches, over the time of "
               "the two grouped GEMMs and the combine (`experts`); `step` adds routing and alignment. cuBLAS: the "
               "same experts dequantized to bf16, two GEMMs per active expert (GEMMs only, a lower bound on that "
