@@ -147,13 +147,13 @@ impl Kernels {
 
     /// The narrow and wide variants of an INT4 GEMM for the layout the features choose.
     fn int4_pair(module: &Arc<CudaModule>, family: &'static str) -> Result<[(&'static str, CudaFunction); 2]> {
-        let names: [&'static str; 2] = match (family, moe_int4::LAYOUT) {
-            ("moe_gate_up", moe_int4::Int4Layout::Native) => ["moe_gate_up_native", "moe_gate_up_wide_native"],
-            ("moe_gate_up", moe_int4::Int4Layout::Tiled) => ["moe_gate_up_tiled", "moe_gate_up_wide_tiled"],
-            (_, moe_int4::Int4Layout::Native) => ["moe_down_native", "moe_down_wide_native"],
-            (_, moe_int4::Int4Layout::Tiled) => ["moe_down_tiled", "moe_down_wide_tiled"],
+        let down = family != "moe_gate_up";
+        let names: [&'static str; 2] = match (down, moe_int4::LAYOUT) {
+            (false, moe_int4::Int4Layout::Native) => ["moe_gate_up_native", "moe_gate_up_wide_native"],
+            (false, moe_int4::Int4Layout::Tiled) => ["moe_gate_up_tiled", "moe_gate_up_wide_tiled"],
+            (true, moe_int4::Int4Layout::Native) => ["moe_down_native", "moe_down_wide_native"],
+            (true, moe_int4::Int4Layout::Tiled) => ["moe_down_tiled", "moe_down_wide_tiled"],
         };
-        let down = family == "moe_down";
         let load = |name: &'static str, wide: bool| -> Result<(&'static str, CudaFunction)> {
             let f = module.load_function(name).map_err(|e| cuda_err("load_function", e))?;
             f.set_attribute(
