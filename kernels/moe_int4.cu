@@ -458,17 +458,6 @@ struct ActStage {
     uint4 x[CHUNK_GROUPS][8][4];
 };
 
-// Waits until at most `pending` cp.async groups are in flight (pending <= 2, else 2 is used).
-__device__ __forceinline__ void cp_async_wait_pending(int pending) {
-    if (pending <= 0) {
-        cp_async_wait<0>();
-    } else if (pending == 1) {
-        cp_async_wait<1>();
-    } else {
-        cp_async_wait<2>();
-    }
-}
-
 // A warp's partial sums over the chunks first, first + step, ... (`count` of them) for NT n8 tiles of
 // tokens; `act[n]` is the lane's activation row in n-tile n, advanced to element 8c (lanes past the
 // expert's tokens point at its last token: their columns are never stored). `ring` holds STAGES * MT
@@ -479,15 +468,16 @@ __device__ __forceinline__ void cp_async_wait_pending(int pending) {
 // With one n8 tile (the few-token case) the activations go through the cp.async pipeline as well, in
 // `acts` (STAGES ActStages): lane (r, c) copies its row's 64 bytes of a chunk when r < `tokens`, and
 // reads slot min(r, tokens - 1), so they arrive STAGES chunks ahead like the weights. cp.async groups:
-// W0 .. W(S-1) (weights of chunks 0 .. S-1), then A (their activations), then one group per later chunk
-// (its weights and activations); chunk i needs W_i and A for i < S, which leaves min(i, S - 1) newer
-// groups pending, and its own group for i >= S, which leaves S - 1. With more n8 tiles the activations
-// are loaded by each lane inside chunk_mma.
+// W0 .. W(S-1) (weights of chunks 0 .. S-1), then A0 .. A(S-1) (their activations), then one group per
+// later chunk (its weights and activations). Chunk i < S needs W_i and A_i, chunk i >= S its own group,
+// and either way exactly S - 1 newer groups have been committed when chunk i is used, so every wait
+// below is the same constant (no branch on the chunk index in the loop). With more n8 tiles the
+// activations are loaded by each lane inside chunk_mma, and the groups are W0 .. W(S-1) then one per
+// later chunk, again S - 1 newer ones.
 template <class Layout, int MT, int NT, int STAGES>
 __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, const uint4* const (&act)[NT],
                           int tokens, int first, int count, int step, typename Layout::Stage* ring,
                           ActStage* acts) {
-    static_assert(NT > 1 || STAGES <= 3, "cp_async_wait_pending covers up to 2 pending groups");
     const int groups = args.cols / GROUP;
     const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3, slot = min(r, tokens - 1);
 #pragma unroll
@@ -503,15 +493,27 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
 #pragma unroll
         for (int m = 0; m < MT; ++m) cursor[m].stage(ring + stage * MT + m);
     };
-    // The lane's 64 bytes of chunk `chunk` (zeros past the last group).
-    auto stage_acts = [&](int stage, int chunk) {
-        if (r >= tokens) return;
+    // The lane's 64 bytes of each staged chunk, from a pointer that walks the chunks; when the group
+    // count divides into whole chunks (every Kimi-K2 matrix), the four copies need no bounds checks.
+    const bool whole_chunks = groups % CHUNK_GROUPS == 0;
+    const uint4* act_chunk = act[0] + first * CHUNK_GROUPS * (GROUP / 8);
+    int act_group = first * CHUNK_GROUPS;
+    auto stage_acts = [&](int stage) {
+        if (r < tokens) {
+            if (whole_chunks) {
 #pragma unroll
-        for (int j = 0; j < CHUNK_GROUPS; ++j) {
-            const int g = chunk * CHUNK_GROUPS + j;
-            const bool in = g < groups;
-            cp_async16(&acts[stage].x[j][r][c], in ? act[0] + g * (GROUP / 8) : act[0], in ? 16 : 0);
+                for (int j = 0; j < CHUNK_GROUPS; ++j)
+                    cp_async16(&acts[stage].x[j][r][c], act_chunk + j * (GROUP / 8), 16);
+            } else {
+#pragma unroll
+                for (int j = 0; j < CHUNK_GROUPS; ++j) {
+                    const bool in = act_group + j < groups;
+                    cp_async16(&acts[stage].x[j][r][c], in ? act_chunk + j * (GROUP / 8) : act[0], in ? 16 : 0);
+                }
+            }
         }
+        act_chunk += step * CHUNK_GROUPS * (GROUP / 8);
+        act_group += step * CHUNK_GROUPS;
     };
 #pragma unroll 1
     for (int s = 0; s < STAGES; ++s) {
@@ -522,8 +524,10 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     pdl_launch_dependents();
     if (NT == 1) {
 #pragma unroll 1
-        for (int s = 0; s < STAGES && s < count; ++s) stage_acts(s, first + s * step);
-        cp_async_commit();
+        for (int s = 0; s < STAGES; ++s) {
+            if (s < count) stage_acts(s);
+            cp_async_commit();
+        }
     }
     // The A fragment of group_acts, made once: as an immediate, ptxas rebuilds it for every product.
     uint32_t minus136[4];
@@ -531,21 +535,18 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     for (int i = 0; i < 4; ++i) asm volatile("mov.b32 %0, 0xC308C308;\n" : "=r"(minus136[i]));  // (-136, -136)
     int use = 0;  // the stage of chunk i
     for (int i = 0, chunk = first; i < count; ++i, chunk += step) {
+        cp_async_wait<STAGES - 1>();  // chunk i's weights (and activations) have landed for this lane ...
+        __syncwarp();                 // ... and for every lane
         uint4 x[CHUNK_GROUPS];
         if (NT == 1) {
-            cp_async_wait_pending(min(i, STAGES - 1));
-            __syncwarp();
 #pragma unroll
             for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = acts[use].x[j][slot][c];
-        } else {
-            cp_async_wait<STAGES - 1>();  // STAGES + i groups committed: chunk i's has landed
-            __syncwarp();
         }
         chunk_mma<Layout, MT, NT>(acc, ring + use * MT, x, act, chunk * CHUNK_GROUPS, groups, minus136);
         __syncwarp();  // every lane is done with the stage before it is refilled
         if (i + STAGES < count) {
             stage_weights(use);
-            if (NT == 1) stage_acts(use, chunk + STAGES * step);
+            if (NT == 1) stage_acts(use);
         }
         cp_async_commit();
         use = use + 1 == STAGES ? 0 : use + 1;
