@@ -137,16 +137,17 @@ typedef cub::BlockScan<int, ALIGN_THREADS> ScanInt;
 
 // Alignment of topk_ids [T, k]: one CTA. Pairs are counted per expert, scanned into offsets, and placed in
 // pair order by a single warp so that each expert's pairs stay in increasing pair order; the experts with
-// pairs are listed in increasing id as `active_slices` (expert, begin, count, 0), so that a GEMM block
-// finds its expert in one load.
-extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
+// pairs are listed in increasing id as `active_slices` (expert, begin, count, token of the first pair), so
+// that a GEMM block finds its expert in one load, and a gate/up block of a one-token expert (most of them
+// at a few tokens) its activation row without a second, dependent load of sorted_pairs.
+extern "C" __global__ void __launch_bounds__(ALIGN_THREADS, 1)
     moe_align(const int* __restrict__ topk_ids, int T, int E, int k, int* __restrict__ expert_offsets,
               int* __restrict__ sorted_pairs, int4* __restrict__ active_slices,
               int* __restrict__ num_active, int* __restrict__ status) {
     __shared__ int count[MAX_EXPERTS];
     __shared__ int next[MAX_EXPERTS];
     __shared__ typename ScanInt::TempStorage scan_tmp;
-    __shared__ int bad_id;
+    __shared__ int bad_id, active;
     const int tid = threadIdx.x, pairs = T * k;
 
     pdl_wait();  // topk_ids come from the routing kernel
@@ -191,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
     }
     if (tid == 0) {
         expert_offsets[E] = pairs;
-        *num_active = total_active;
+        *num_active = active = total_active;
     }
     __syncthreads();
     if (tid < 32) {
@@ -208,6 +209,10 @@ extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
             }
             __syncwarp();
         }
+        // The warp's sorted_pairs are visible to the warp after __syncwarp, the slices (written before the
+        // barrier above) to every thread.
+        for (int i = tid; i < active; i += 32)
+            reinterpret_cast<int*>(active_slices + i)[3] = sorted_pairs[active_slices[i].y] / k;
     }
 }
 
@@ -554,9 +559,10 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     cp_async_wait<0>();
 }
 
-// The expert this block serves: its pairs are sorted_pairs[begin, begin + count).
+// The expert this block serves: its pairs are sorted_pairs[begin, begin + count), the first of them
+// from token first_token.
 struct ExpertSlice {
-    int expert, begin, count;
+    int expert, begin, count, first_token;
 };
 
 // The grid has at most E blocks in x, so active_slices[blockIdx.x] is in bounds: it is loaded together
@@ -566,7 +572,7 @@ struct ExpertSlice {
 __device__ __forceinline__ bool block_expert(const int4* active_slices, const int* num_active, ExpertSlice& s) {
     const int active = __ldcg(num_active);
     const int4 slice = __ldcg(active_slices + blockIdx.x);
-    s = ExpertSlice{slice.x, slice.y, slice.z};
+    s = ExpertSlice{slice.x, slice.y, slice.z, slice.w};
     return (int)blockIdx.x < active;
 }
 
@@ -642,7 +648,8 @@ __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __r
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const int t = min(t0 + n * 8 + (lane >> 2), ex.count - 1);
-            act[n] = reinterpret_cast<const uint4*>(x + (size_t)(sorted_pairs[ex.begin + t] / k) * H) + (lane & 3);
+            const int token = t == 0 ? ex.first_token : sorted_pairs[ex.begin + t] / k;
+            act[n] = reinterpret_cast<const uint4*>(x + (size_t)token * H) + (lane & 3);
         }
         Shape::pass(smem, args, act, min(ex.count - t0, NT * 8), true);
         __syncthreads();
