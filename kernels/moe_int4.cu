@@ -53,6 +53,17 @@ constexpr int STATUS_BAD_EXPERT = 2;
 // The down GEMM relies on (T): the routing it reads before its wait was written by the alignment, which
 // precedes its predecessor (a gate/up GEMM or the narrow down GEMM), so it has completed; those reads go
 // through L2 (ld.global.cg) and never see a line an earlier kernel left in L1.
+// (H) The narrow down GEMM does not wait for the whole narrow gate/up GEMM before it reads h: each narrow
+// gate/up block counts itself done in `handoff[slot]` once its h rows are written (fenced), and a narrow
+// down block of that slot spins until all of the slot's gate/up blocks are done (an acquire load), so the
+// down GEMM streams the experts that are done while the gate/up GEMM finishes the others (both grids are
+// expert-major: blockIdx.y is the slot). The spin cannot wait forever: the down blocks start only once
+// every gate/up block has started (its trigger) or, launched plainly, once the gate/up GEMM completed. The
+// last down block of a slot to pass the spin (counted in handoff[MAX_EXPERTS + slot]) zeroes both counts
+// for the next forward, whose gate/up blocks count only after their wait, i.e. after this grid completed.
+// A narrow down block triggers after its spin; the kernels after it (the wide down GEMM, the combine)
+// wait before they read h or y, and their routing reads still follow (T) (the alignment precedes the
+// narrow gate/up GEMM, which started only after its own wait).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -62,6 +73,12 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -467,8 +484,8 @@ struct ActStage {
 // tokens; `act[n]` is the lane's activation row in n-tile n, advanced to element 8c (lanes past the
 // expert's tokens point at its last token: their columns are never stored). `ring` holds STAGES * MT
 // weight stages. The weights do not depend on any earlier kernel, so the first STAGES chunks' weights are
-// copied before griddepcontrol.wait, and the activations, which may be the previous kernel's output,
-// after it.
+// copied before `wait_inputs` (griddepcontrol.wait, or the narrow down GEMM's spin, rule H), and the
+// activations, which may be an earlier kernel's output, after it.
 //
 // With one n8 tile (the few-token case) the activations go through the cp.async pipeline as well, in
 // `acts` (STAGES ActStages): lane (r, c) copies its row's 64 bytes of a chunk when r < `tokens`, and
@@ -479,10 +496,10 @@ struct ActStage {
 // below is the same constant (no branch on the chunk index in the loop). With more n8 tiles the
 // activations are loaded by each lane inside chunk_mma, and the groups are W0 .. W(S-1) then one per
 // later chunk, again S - 1 newer ones.
-template <class Layout, int MT, int NT, int STAGES>
+template <class Layout, int MT, int NT, int STAGES, class WaitInputs>
 __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, const uint4* const (&act)[NT],
                           int tokens, int first, int count, int step, typename Layout::Stage* ring,
-                          ActStage* acts) {
+                          ActStage* acts, WaitInputs wait_inputs) {
     const int groups = args.cols / GROUP;
     const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3, slot = min(r, tokens - 1);
 #pragma unroll
@@ -525,7 +542,7 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
         if (s < count) stage_weights(s);
         cp_async_commit();  // also when empty, so the group count stays one per chunk
     }
-    pdl_wait();
+    wait_inputs();
     pdl_launch_dependents();
     if (NT == 1) {
 #pragma unroll 1
@@ -565,15 +582,15 @@ struct ExpertSlice {
     int expert, begin, count, first_token;
 };
 
-// The grid has at most E blocks in x, so active_slices[blockIdx.x] is in bounds: it is loaded together
+// The grid has at most E blocks in y, so active_slices[blockIdx.y] is in bounds: it is loaded together
 // with num_active, so one load latency precedes the block's first weight copy (an entry past num_active
 // is stale and unused). The loads go through L2 only (ld.global.cg): the down GEMM makes them before its
 // griddepcontrol.wait.
 __device__ __forceinline__ bool block_expert(const int4* active_slices, const int* num_active, ExpertSlice& s) {
     const int active = __ldcg(num_active);
-    const int4 slice = __ldcg(active_slices + blockIdx.x);
+    const int4 slice = __ldcg(active_slices + blockIdx.y);
     s = ExpertSlice{slice.x, slice.y, slice.z, slice.w};
-    return (int)blockIdx.x < active;
+    return (int)blockIdx.y < active;
 }
 
 // The fragment element idx = ((m * NT + n) * 32 + lane) * 4 + i sits at tile row lane / 4 (+ 8 for
@@ -604,15 +621,17 @@ struct BlockShape {
 
     // Runs the warp's share of a pass and leaves its accumulators in the partials.
     // A row group past the matrix (`rows_valid` false) computes nothing but still reaches the barriers.
+    template <class WaitInputs>
     __device__ static void pass(unsigned char* smem, const GemmArgs<MT>& args, const uint4* const (&act)[NT],
-                                int tokens, bool rows_valid) {
+                                int tokens, bool rows_valid, WaitInputs wait_inputs) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kslice = warp % KSPLIT;
         const int chunks = (args.cols / GROUP + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
         // The K slices interleave by chunk (slice s takes chunks s, s + KSPLIT, ...), so a block's warps
         // read neighbouring chunks at about the same time.
         const int count = rows_valid ? (chunks - kslice + KSPLIT - 1) / KSPLIT : 0;
         float acc[MT][NT][4];
-        warp_gemm<Layout, MT, NT, STAGES>(acc, args, act, tokens, kslice, count, KSPLIT, ring(smem), act_ring(smem));
+        warp_gemm<Layout, MT, NT, STAGES>(acc, args, act, tokens, kslice, count, KSPLIT, ring(smem), act_ring(smem),
+                                          wait_inputs);
         float* out = partials(smem) + (size_t)warp * FRAG;
 #pragma unroll
         for (int m = 0; m < MT; ++m)
@@ -633,15 +652,17 @@ struct BlockShape {
 };
 
 // GEMM 1: h[pos, j] = bf16(silu(x · gate_j) * (x · up_j)) for the expert's sorted positions `pos`. A row
-// group covers 16 rows j of gate (m tile 0) and of up (m tile 1). Grid: (active experts, I / (16 RGROUPS)).
+// group covers 16 rows j of gate (m tile 0) and of up (m tile 1). Grid: (I / (16 RGROUPS), active experts).
+// The narrow kernel counts each block done in handoff[slot] (rule H).
 template <class Layout, int NT, int KSPLIT, int STAGES>
 __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,
                         const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k,
-                        const int* __restrict__ sorted_pairs, const ExpertSlice& ex, __nv_bfloat16* __restrict__ h) {
+                        const int* __restrict__ sorted_pairs, const ExpertSlice& ex, __nv_bfloat16* __restrict__ h,
+                        int* __restrict__ handoff) {
     typedef BlockShape<Layout, 2, NT, KSPLIT, STAGES> Shape;
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, rg = (threadIdx.x >> 5) / KSPLIT;
-    const int j0 = (blockIdx.y * Shape::RGROUPS + rg) * 16;
+    const int j0 = (blockIdx.x * Shape::RGROUPS + rg) * 16;
     const GemmArgs<2> args{w13, w13_scale, H, {ex.expert * 2 * I + j0, ex.expert * 2 * I + I + j0}};
     for (int t0 = 0; t0 < ex.count; t0 += NT * 8) {
         const uint4* act[NT];
@@ -651,7 +672,7 @@ __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __r
             const int token = t == 0 ? ex.first_token : sorted_pairs[ex.begin + t] / k;
             act[n] = reinterpret_cast<const uint4*>(x + (size_t)token * H) + (lane & 3);
         }
-        Shape::pass(smem, args, act, min(ex.count - t0, NT * 8), true);
+        Shape::pass(smem, args, act, min(ex.count - t0, NT * 8), true, [] { pdl_wait(); });
         __syncthreads();
         for (int idx = threadIdx.x; idx < Shape::RGROUPS * NT * 128; idx += Shape::THREADS) {
             const int g = idx / (NT * 128), e = idx % (NT * 128);
@@ -660,23 +681,36 @@ __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __r
             if (t >= ex.count) continue;
             const float gate = Shape::sum(smem, g, e), up = Shape::sum(smem, g, NT * 128 + e);
             const float silu = gate / (1.0f + expf(-gate));
-            const int row = (blockIdx.y * Shape::RGROUPS + g) * 16 + frag_row(l, i);
+            const int row = (blockIdx.x * Shape::RGROUPS + g) * 16 + frag_row(l, i);
             h[(size_t)(ex.begin + t) * I + row] = __float2bfloat16_rn(silu * up);
         }
+        if (NT == 1) __threadfence();  // this thread's h rows are visible before the block counts itself done
         __syncthreads();
+    }
+    if (NT == 1 && threadIdx.x == 0) atomicAdd(handoff + blockIdx.y, 1);
+}
+
+// The narrow down GEMM's wait for its expert's h (rule H): every lane spins on the count of the slot's
+// gate/up blocks done; the last block of the slot to get past it zeroes both counts.
+__device__ __forceinline__ void wait_for_expert(int* handoff, int gate_up_blocks) {
+    const int slot = blockIdx.y;
+    while (load_acquire(handoff + slot) < gate_up_blocks) __nanosleep(64);
+    if ((threadIdx.x & 31) == 0 && atomicAdd(handoff + MAX_EXPERTS + slot, 1) == (int)gridDim.x - 1) {
+        handoff[slot] = 0;
+        handoff[MAX_EXPERTS + slot] = 0;
     }
 }
 
 // GEMM 2: y[pair, r] = h[pos] · down_r; a row group covers 32 rows (two m16 tiles).
-// Grid: (active experts, ceil(H / (32 RGROUPS))).
+// Grid: (ceil(H / (32 RGROUPS)), active experts).
 template <class Layout, int NT, int KSPLIT, int STAGES>
 __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,
                      const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int* __restrict__ sorted_pairs,
-                     const ExpertSlice& ex, float* __restrict__ y) {
+                     const ExpertSlice& ex, float* __restrict__ y, int* __restrict__ handoff) {
     typedef BlockShape<Layout, 2, NT, KSPLIT, STAGES> Shape;
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, rg = (threadIdx.x >> 5) / KSPLIT;
-    const int r0 = (blockIdx.y * Shape::RGROUPS + rg) * 32;
+    const int r0 = (blockIdx.x * Shape::RGROUPS + rg) * 32;
     const GemmArgs<2> args{w2, w2_scale, I, {ex.expert * H + r0, ex.expert * H + r0 + 16}};
     for (int t0 = 0; t0 < ex.count; t0 += NT * 8) {
         const uint4* act[NT];
@@ -685,14 +719,22 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
             const int t = min(t0 + n * 8 + (lane >> 2), ex.count - 1);
             act[n] = reinterpret_cast<const uint4*>(h + (size_t)(ex.begin + t) * I) + (lane & 3);
         }
-        Shape::pass(smem, args, act, min(ex.count - t0, NT * 8), r0 < H);
+        const int gate_up_blocks = (I + 15) / 16;  // the narrow gate/up grid's row groups
+        Shape::pass(smem, args, act, min(ex.count - t0, NT * 8), r0 < H, [&] {
+            if constexpr (NT == 1) {
+                static_assert(KSPLIT == 1 && Shape::WARPS == 1, "one warp per narrow down block: each counts once");
+                wait_for_expert(handoff, gate_up_blocks);
+            } else {
+                pdl_wait();
+            }
+        });
         __syncthreads();
         for (int idx = threadIdx.x; idx < Shape::RGROUPS * Shape::FRAG; idx += Shape::THREADS) {
             const int g = idx / Shape::FRAG, e = idx % Shape::FRAG;
             const int m = e / (NT * 128), n = (e / 128) % NT, l = (e / 4) & 31, i = e & 3;
             const int t = t0 + frag_col(n, l, i);
             if (t >= ex.count) continue;
-            const int row = (blockIdx.y * Shape::RGROUPS + g) * 32 + m * 16 + frag_row(l, i);
+            const int row = (blockIdx.x * Shape::RGROUPS + g) * 32 + m * 16 + frag_row(l, i);
             if (row >= H) continue;
             y[(size_t)sorted_pairs[ex.begin + t] * H + row] = Shape::sum(smem, g, e);
         }
@@ -722,25 +764,25 @@ template <class Layout, int NT, int STAGES>
 __device__ __forceinline__ void gate_up_kernel(const __nv_bfloat16* x, const uint32_t* w13,
                                                const __nv_bfloat16* w13_scale, int H, int I, int k,
                                                const int4* slices, const int* num_active, const int* pairs,
-                                               __nv_bfloat16* h) {
+                                               __nv_bfloat16* h, int* handoff) {
     // The routing and x may come from the kernels just before: wait for them first (there is nothing
     // to prefetch before knowing the expert).
     pdl_wait();
     pdl_launch_dependents();
     ExpertSlice ex;
     if (!block_expert(slices, num_active, ex) || (ex.count > 8) != (NT > 1)) return;
-    gate_up<Layout, NT, GATE_UP_KSPLIT, STAGES>(x, w13, w13_scale, H, I, k, pairs, ex, h);
+    gate_up<Layout, NT, GATE_UP_KSPLIT, STAGES>(x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
 }
 
 template <class Layout, int NT, int STAGES>
 __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32_t* w2,
                                             const __nv_bfloat16* w2_scale, int H, int I, const int4* slices,
-                                            const int* num_active, const int* pairs, float* y) {
+                                            const int* num_active, const int* pairs, float* y, int* handoff) {
     // The routing is complete before this kernel starts (rule T above), so the expert is known before
     // the wait, and warp_gemm issues the block's first weight stages while the gate/up GEMM finishes.
     ExpertSlice ex;
     if (block_expert(slices, num_active, ex) && (ex.count > 8) == (NT > 1))
-        down<Layout, NT, DOWN_KSPLIT, STAGES>(h, w2, w2_scale, H, I, pairs, ex, y);
+        down<Layout, NT, DOWN_KSPLIT, STAGES>(h, w2, w2_scale, H, I, pairs, ex, y, handoff);
     pdl_wait();  // rule W on every path (warp_gemm has waited already where the block computed)
 }
 
@@ -750,16 +792,17 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
         moe_gate_up_##SUFFIX(const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,           \
                              const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k,                \
                              const int4* __restrict__ slices, const int* __restrict__ num_active,             \
-                             const int* __restrict__ pairs, __nv_bfloat16* __restrict__ h) {                  \
-        gate_up_kernel<LAYOUT, NT, STAGES>(x, w13, w13_scale, H, I, k, slices, num_active, pairs, h);          \
+                             const int* __restrict__ pairs, __nv_bfloat16* __restrict__ h,                    \
+                             int* __restrict__ handoff) {                                                     \
+        gate_up_kernel<LAYOUT, NT, STAGES>(x, w13, w13_scale, H, I, k, slices, num_active, pairs, h, handoff); \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(gemm_warps(NT, DOWN_KSPLIT) * 32,                            \
                                                  gemm_min_blocks(NT, DOWN_KSPLIT))                            \
         moe_down_##SUFFIX(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,               \
                           const __nv_bfloat16* __restrict__ w2_scale, int H, int I,                           \
                           const int4* __restrict__ slices, const int* __restrict__ num_active,                \
-                          const int* __restrict__ pairs, float* __restrict__ y) {                             \
-        down_kernel<LAYOUT, NT, STAGES>(h, w2, w2_scale, H, I, slices, num_active, pairs, y);                  \
+                          const int* __restrict__ pairs, float* __restrict__ y, int* __restrict__ handoff) {  \
+        down_kernel<LAYOUT, NT, STAGES>(h, w2, w2_scale, H, I, slices, num_active, pairs, y, handoff);         \
     }
 
 // Narrow kernels are held to 128 registers so 16 warps share an SM; the wide ones keep their two n8

@@ -6,8 +6,9 @@
 //! the device at load time ([`crate::cpu::moe_int4::tile`] documents the order). A [`MoePlan`] owns the
 //! routing and intermediate buffers for up to `max_tokens` tokens; its `route` / `set_routing` and
 //! `experts_forward` only launch kernels. The kernels after the routing are programmatic dependent
-//! launches (on compute capability 9.0 and newer, see [`Gpu`]): each may start while its predecessor finishes, e.g. the down GEMM
-//! loads its first weights during the gate/up GEMM's last wave (kernels/moe_int4.cu states the rules
+//! launches (on compute capability 9.0 and newer, see [`Gpu`]): each may start while its predecessor
+//! finishes, e.g. the down GEMM loads its first weights during the gate/up GEMM's last wave and streams
+//! each expert as soon as that expert's gate/up blocks are done (kernels/moe_int4.cu states the rules
 //! that keep this exact).
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
@@ -276,6 +277,9 @@ pub struct MoePlan {
     /// Per active expert, in increasing id, its id, first sorted pair and pair count, and a zero: the 16
     /// bytes a GEMM block loads to find its work.
     active_slices: CudaSlice<i32>,
+    /// The narrow gate/up GEMM's per-expert done counts and the narrow down GEMM's counts of blocks past
+    /// them (kernels/moe_int4.cu rule H): 2 × MAX_EXPERTS, zero between forwards.
+    handoff: CudaSlice<i32>,
     num_active: CudaSlice<i32>,
     status: CudaSlice<i32>,
     h: CudaSlice<bf16>,
@@ -312,6 +316,7 @@ impl MoePlan {
             expert_offsets: gpu.zeros(shape.count + 1)?,
             sorted_pairs: gpu.zeros(pairs)?,
             active_slices: gpu.zeros(4 * shape.count)?,
+            handoff: gpu.zeros(2 * MAX_EXPERTS)?,
             num_active: gpu.zeros(1)?,
             status: gpu.zeros(1)?,
             h: gpu.zeros(pairs * shape.inter)?,
@@ -460,10 +465,11 @@ impl MoePlan {
         let (h, i, k) = (self.shape.hidden as i32, self.shape.inter as i32, self.k as i32);
         let (grid_rows, threads, shared) = gemm_geometry(self.shape.inter, GATE_UP_GROUP_ROWS, GATE_UP_KSPLIT, wide);
         let cfg =
-            LaunchConfig { grid_dim: (blocks, grid_rows, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
+            LaunchConfig { grid_dim: (grid_rows, blocks, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
         let mut a = KernelArgs::new(gpu);
         a.ptr(x).ptr(&experts.w13.packed).ptr(&experts.w13.scale).val(h).val(i).val(k);
         a.ptr(&self.active_slices).ptr(&self.num_active).ptr(&self.sorted_pairs).ptr_mut(&mut self.h);
+        a.ptr_mut(&mut self.handoff);
         gpu.launch_ex(name, f, cfg, &mut a, true)
     }
 
@@ -472,10 +478,11 @@ impl MoePlan {
         let (h, i) = (self.shape.hidden as i32, self.shape.inter as i32);
         let (grid_rows, threads, shared) = gemm_geometry(self.shape.hidden, DOWN_GROUP_ROWS, DOWN_KSPLIT, wide);
         let cfg =
-            LaunchConfig { grid_dim: (blocks, grid_rows, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
+            LaunchConfig { grid_dim: (grid_rows, blocks, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
         let mut a = KernelArgs::new(gpu);
         a.ptr(&self.h).ptr(&experts.w2.packed).ptr(&experts.w2.scale).val(h).val(i);
         a.ptr(&self.active_slices).ptr(&self.num_active).ptr(&self.sorted_pairs).ptr_mut(&mut self.y);
+        a.ptr_mut(&mut self.handoff);
         gpu.launch_ex(name, f, cfg, &mut a, true)
     }
 
