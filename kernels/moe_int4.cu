@@ -54,7 +54,7 @@ constexpr int STATUS_BAD_EXPERT = 2;
 // precedes its predecessor (a gate/up GEMM or the narrow down GEMM), so it has completed; those reads go
 // through L2 (ld.global.cg) and never see a line an earlier kernel left in L1.
 // (H) The narrow down GEMM does not wait for the whole narrow gate/up GEMM before it reads h: each narrow
-// gate/up block counts itself done in `handoff[slot]` once its h rows are written (fenced), and a narrow
+// gate/up block counts itself done in `handoff[slot]` once its h rows are written (a release), and a narrow
 // down block of that slot spins until all of the slot's gate/up blocks are done (an acquire load), so the
 // down GEMM streams the experts that are done while the gate/up GEMM finishes the others (both grids are
 // expert-major: blockIdx.y is the slot). The spin cannot wait forever: the down blocks start only once
@@ -75,6 +75,9 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+__device__ __forceinline__ void add_release(int* p, int v) {
+    asm volatile("fence.acq_rel.gpu;\nred.relaxed.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
 __device__ __forceinline__ int load_acquire(const int* p) {
     int v;
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
@@ -684,10 +687,11 @@ __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __r
             const int row = (blockIdx.x * Shape::RGROUPS + g) * 16 + frag_row(l, i);
             h[(size_t)(ex.begin + t) * I + row] = __float2bfloat16_rn(silu * up);
         }
-        if (NT == 1) __threadfence();  // this thread's h rows are visible before the block counts itself done
         __syncthreads();
     }
-    if (NT == 1 && threadIdx.x == 0) atomicAdd(handoff + blockIdx.y, 1);
+    // The barrier above orders every thread's h stores before thread 0's release (fence + relaxed add,
+    // cumulative over what the barrier ordered), so one thread publishes the whole block's rows.
+    if (NT == 1 && threadIdx.x == 0) add_release(handoff + blockIdx.y, 1);
 }
 
 // The narrow down GEMM's wait for its expert's h (rule H): every lane spins on the count of the slot's
