@@ -29,7 +29,9 @@ pub const MAX_TOKENS: usize = 65_535;
 /// group's K and sum their partials in order.
 const GATE_UP_KSPLIT: usize = 4;
 const DOWN_KSPLIT: usize = 1;
-/// Rows of a GEMM's row group: 16 h rows (gate/up) or 32 output rows (down).
+/// Rows of a GEMM's row group: 16 h rows (gate/up) or 32 output rows (down). The narrow down GEMM waits for
+/// ceil(I / 16) narrow gate/up blocks per expert (kernels/moe_int4.cu rule H), the narrow gate/up grid's
+/// rows: one row group of 16 per block.
 const GATE_UP_GROUP_ROWS: usize = 16;
 const DOWN_GROUP_ROWS: usize = 32;
 
@@ -436,12 +438,16 @@ impl MoePlan {
         // stages its first weights during the gate/up GEMM's tail: at a few tokens the wide kernels have
         // few or no experts, and one between them would hold the down GEMM back until the gate/up GEMM
         // completes. The kernels serve disjoint experts, so the order changes no result.
-        for &wide in widths.iter().rev() {
-            self.launch_gate_up(gpu, experts, x, blocks, wide)?;
+        let launched = widths.iter().rev().try_for_each(|&wide| self.launch_gate_up(gpu, experts, x, blocks, wide));
+        let launched =
+            launched.and_then(|()| widths.iter().try_for_each(|&wide| self.launch_down(gpu, experts, blocks, wide)));
+        if launched.is_err() {
+            // A narrow gate/up GEMM without its down GEMM would leave its per-expert counts set, and the
+            // next forward's down GEMM would read h before it is written: clear them (should that fail
+            // too, the launch error below is still the one to report).
+            let _ = gpu.stream().memset_zeros(&mut self.handoff);
         }
-        for &wide in widths {
-            self.launch_down(gpu, experts, blocks, wide)?;
-        }
+        launched?;
         let (h, k) = (h_dim as i32, self.k as i32);
         let cfg = LaunchConfig {
             grid_dim: (h_dim.div_ceil(256) as u32, tokens as u32, 1),
