@@ -4,11 +4,14 @@
 // the ceiling a kernel built on mma.sync can reach instead. Each warp runs CHAINS independent accumulator
 // chains over operands held in registers (no memory traffic), 1 to 4 blocks of 8 warps per SM. Standalone,
 // for the GPU machine (BENCHMARKS.md, session 14):
-//   nvcc -arch=sm_90 -O3 -std=c++17 mma_rate.cu -o mma_rate && ./mma_rate
+//   nvcc -arch=sm_90 -O3 -std=c++17 mma_rate.cu -o mma_rate && ./mma_rate   (from benches/microbench)
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cuda_runtime.h>
+
+#include "../../kernels/common.cuh"  // kdt::mma_bf16, the wrapper every kernel uses
+
 #define CK(x)                                                                 \
     do {                                                                      \
         cudaError_t e = (x);                                                  \
@@ -17,14 +20,6 @@
             exit(1);                                                          \
         }                                                                     \
     } while (0)
-
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // The operands come from the thread index, so nothing is constant-folded; the accumulators are stored
 // only on an unlikely value, so the mmas cannot be removed and nothing is written.
@@ -37,7 +32,7 @@ __global__ void __launch_bounds__(256) mma_loop(int iters, float* out) {
     float acc[CHAINS][4] = {};
     for (int i = 0; i < iters; ++i)
 #pragma unroll
-        for (int c = 0; c < CHAINS; ++c) mma(acc[c], a, b0, b1);
+        for (int c = 0; c < CHAINS; ++c) kdt::mma_bf16(acc[c], a, b0, b1);
     float sum = 0.f;
 #pragma unroll
     for (int c = 0; c < CHAINS; ++c) sum += acc[c][0] + acc[c][1] + acc[c][2] + acc[c][3];
