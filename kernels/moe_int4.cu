@@ -27,7 +27,7 @@ __host__ __device__ constexpr int gemm_warps(int n_tiles, int ksplit) { return n
 __host__ __device__ constexpr int gemm_min_blocks(int n_tiles, int ksplit) {
     return n_tiles == 1 ? NARROW_SM_WARPS / ksplit : 1;
 }
-constexpr int MAX_EXPERTS = 1024;
+constexpr int MAX_EXPERTS = 1024;  // mirrored in src/cuda/moe_int4.rs (the hand-off counts' stride too)
 constexpr int ALIGN_THREADS = 512;
 constexpr int ALIGN_ITEMS = MAX_EXPERTS / ALIGN_THREADS;
 constexpr int ROUTE_THREADS = MAX_EXPERTS;  // one routing CTA per token, one thread per expert
@@ -44,15 +44,17 @@ constexpr int STATUS_BAD_EXPERT = 2;
 // grid has completed and its memory operations are performed and visible to this grid, and
 // `griddepcontrol.launch_dependents` lets the next kernel be scheduled once every CTA of this grid has
 // issued it or exited (a CTA's first issue counts; it says nothing about memory). Launched without the
-// attribute, both return at once. The kernels keep two rules, which together make any chain of them safe:
+// attribute, both return at once. The kernels keep two rules, which together make any chain of them safe
+// (the narrow down GEMM keeps them in the weaker form that rule H below states):
 // (W) every thread waits before it writes anything and before it exits, so a grid completes only after
 //     its predecessor has, and by induction after everything queued before it;
 // (T) a CTA triggers only after it has waited (or, in a kernel launched without the attribute, at any
 //     time: everything before it completed before it started), so when a kernel starts, the kernel two
 //     back and all before it have completed.
-// The down GEMM relies on (T): the routing it reads before its wait was written by the alignment, which
-// precedes its predecessor (a gate/up GEMM or the narrow down GEMM), so it has completed; those reads go
-// through L2 (ld.global.cg) and never see a line an earlier kernel left in L1.
+// The down GEMMs read the routing before their wait: it was written by the alignment, which precedes the
+// narrow gate/up GEMM, and every gate/up CTA triggers only after its wait, so when a down GEMM starts
+// the alignment has completed; those reads go through L2 (ld.global.cg) and never see a line an earlier
+// kernel left in L1.
 // (H) The narrow down GEMM does not wait for the whole narrow gate/up GEMM before it reads h: each narrow
 // gate/up block counts itself done in `handoff[slot]` once its h rows are written (a release), and a narrow
 // down block of that slot spins until all of the slot's gate/up blocks are done (an acquire load), so the
@@ -61,9 +63,12 @@ constexpr int STATUS_BAD_EXPERT = 2;
 // every gate/up block has started (its trigger) or, launched plainly, once the gate/up GEMM completed. The
 // last down block of a slot to pass the spin (counted in handoff[MAX_EXPERTS + slot]) zeroes both counts
 // for the next forward, whose gate/up blocks count only after their wait, i.e. after this grid completed.
-// A narrow down block triggers after its spin; the kernels after it (the wide down GEMM, the combine)
-// wait before they read h or y, and their routing reads still follow (T) (the alignment precedes the
-// narrow gate/up GEMM, which started only after its own wait).
+// A narrow down block writes y (and the counts) after its spin, before its wait: y's other writers and
+// readers are this forward's down blocks (other pairs) and combine (which waits), and the forward
+// before's combine, at least two kernels back and so complete by (T); the narrow gate/up GEMM, the only
+// kernel that may still run, touches neither. It triggers after its spin and waits before it exits (W
+// holds for completion); the kernels after it (the wide down GEMM, the combine) wait before they read h
+// or y.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -695,10 +700,13 @@ __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __r
 }
 
 // The narrow down GEMM's wait for its expert's h (rule H): every lane spins on the count of the slot's
-// gate/up blocks done; the last block of the slot to get past it zeroes both counts.
+// gate/up blocks done; the last block of the slot to get past it zeroes both counts. The warp barrier
+// keeps lane 0 from counting its block past the wait before every lane of it has left the loop, so no
+// lane can read the zeroed count and spin forever.
 __device__ __forceinline__ void wait_for_expert(int* handoff, int gate_up_blocks) {
     const int slot = blockIdx.y;
     while (load_acquire(handoff + slot) < gate_up_blocks) __nanosleep(64);
+    __syncwarp();
     if ((threadIdx.x & 31) == 0 && atomicAdd(handoff + MAX_EXPERTS + slot, 1) == (int)gridDim.x - 1) {
         handoff[slot] = 0;
         handoff[MAX_EXPERTS + slot] = 0;
@@ -723,7 +731,7 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
             const int t = min(t0 + n * 8 + (lane >> 2), ex.count - 1);
             act[n] = reinterpret_cast<const uint4*>(h + (size_t)(ex.begin + t) * I) + (lane & 3);
         }
-        const int gate_up_blocks = (I + 15) / 16;  // the narrow gate/up grid's row groups
+        const int gate_up_blocks = (I + 15) / 16;  // the narrow gate/up grid's rows (asserted below)
         Shape::pass(smem, args, act, min(ex.count - t0, NT * 8), r0 < H, [&] {
             if constexpr (NT == 1) {
                 static_assert(KSPLIT == 1 && Shape::WARPS == 1, "one warp per narrow down block: each counts once");
@@ -787,7 +795,7 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
     ExpertSlice ex;
     if (block_expert(slices, num_active, ex) && (ex.count > 8) == (NT > 1))
         down<Layout, NT, DOWN_KSPLIT, STAGES>(h, w2, w2_scale, H, I, pairs, ex, y, handoff);
-    pdl_wait();  // rule W on every path (warp_gemm has waited already where the block computed)
+    pdl_wait();  // rule W on every path (a wide block has waited in warp_gemm already; a narrow one only spun)
 }
 
 #define KDT_MOE_GEMMS(LAYOUT, NT, STAGES, SUFFIX)                                                          \
@@ -825,6 +833,9 @@ constexpr bool fits_shared() {
            BlockShape<Layout, 2, 2, DOWN_KSPLIT, WIDE_STAGES>::SHARED_BYTES <= 99 * 1024;
 }
 static_assert(fits_shared<NativeLayout>() && fits_shared<TiledLayout>(), "GEMM shared memory over 99 KB");
+static_assert(BlockShape<TiledLayout, 2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::RGROUPS == 1 &&
+                  BlockShape<NativeLayout, 2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::RGROUPS == 1,
+              "a narrow gate/up block is one 16-row group: the down GEMM waits for ceil(I / 16) of them (rule H)");
 static_assert(sizeof(NativeStage) == 1152, "src/cuda/moe_int4.rs sizes the native stages");
 static_assert(sizeof(StageTile) == 1152, "StageTile is the tiled layout's chunk image");
 static_assert(sizeof(ActStage) == 2048, "src/cuda/moe_int4.rs sizes the activation stages");

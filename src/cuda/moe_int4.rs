@@ -276,8 +276,8 @@ pub struct MoePlan {
     topk_weights: CudaSlice<f32>,
     expert_offsets: CudaSlice<i32>,
     sorted_pairs: CudaSlice<i32>,
-    /// Per active expert, in increasing id, its id, first sorted pair and pair count, and a zero: the 16
-    /// bytes a GEMM block loads to find its work.
+    /// Per active expert, in increasing id, its id, first sorted pair, pair count and the token of its first
+    /// pair: the 16 bytes a GEMM block loads to find its work.
     active_slices: CudaSlice<i32>,
     /// The narrow gate/up GEMM's per-expert done counts and the narrow down GEMM's counts of blocks past
     /// them (kernels/moe_int4.cu rule H): 2 × MAX_EXPERTS, zero between forwards.
