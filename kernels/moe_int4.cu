@@ -6,13 +6,12 @@
 // A (dequantized in registers) and up to 8 tokens as B, so one token per expert wastes MMA lanes but no
 // memory traffic, and there is a single code path for every token count. Each k16 step covers 16 values
 // of one quantization group; its products (128 + nibble) * x are exact and the MMA sums them in f32 onto
-// -136 * sum(x), which leaves the group sum of (nibble - 8) * x, and the bf16 scale is applied once per
-// group in f32 (acc = fma(scale, group_sum, acc)). Each activation row's -136 * sum(x) per group comes
-// precomputed as half-group sums (moe_act_sums for x, the gate/up epilogue for h; see half_sum_stride).
-// A row group's K is split over a fixed number of warps (interleaved chunks) whose partials are summed in
-// order, so every output element is computed by the same operations whatever the batch: results are
-// deterministic and batch invariant. The same MMA path serves one token or many (no separate GEMV path):
-// at a few tokens the kernels are bound by weight bytes, not by the MMA lanes left idle.
+// -136 * sum(x) (group_acts), which leaves the group sum of (nibble - 8) * x, and the bf16 scale is
+// applied once per group in f32 (acc = fma(scale, group_sum, acc)). A row group's K is split over a fixed
+// number of warps (interleaved chunks) whose partials are summed in order, so every output element is
+// computed by the same operations whatever the batch: results are deterministic and batch invariant. The
+// same MMA path serves one token or many (no separate GEMV path): at a few tokens the kernels are bound
+// by weight bytes, not by the MMA lanes left idle.
 #include "common.cuh"
 
 namespace kdt {
@@ -52,10 +51,10 @@ constexpr int STATUS_BAD_EXPERT = 2;
 // (T) a CTA triggers only after it has waited (or, in a kernel launched without the attribute, at any
 //     time: everything before it completed before it started), so when a kernel starts, the kernel two
 //     back and all before it have completed.
-// The GEMMs read the routing before their wait: it was written by the alignment, and at least one kernel
-// that triggers only after its wait (moe_act_sums, the first kernel of a forward) runs between the
-// alignment and any GEMM, so when a GEMM starts the alignment has completed; those reads go through L2
-// (ld.global.cg) and never see a line an earlier kernel left in L1.
+// The down GEMMs read the routing before their wait: it was written by the alignment, which precedes the
+// narrow gate/up GEMM, and every gate/up CTA triggers only after its wait, so when a down GEMM starts
+// the alignment has completed; those reads go through L2 (ld.global.cg) and never see a line an earlier
+// kernel left in L1.
 // (H) The narrow down GEMM does not wait for the whole narrow gate/up GEMM before it reads h: each narrow
 // gate/up block counts itself done in `handoff[slot]` once its h rows are written (a release), and a narrow
 // down block of that slot spins until all of the slot's gate/up blocks are done (an acquire load), so the
@@ -381,21 +380,6 @@ __device__ __forceinline__ uint32_t offset_pair(uint32_t w, int shift) {
     return and_or(w >> shift, 0x000F000Fu, 0x43004300u);
 }
 
-// Half-group sums: for an activation row a of `cols` elements, sums[i] = -136 * (a[16i] + ... + a[16i + 15])
-// (f32, added in element order, then multiplied), in a row of half_sum_stride(cols) floats whose entries
-// past cols / 16 are zero; a group's offset is sums[2g] + sums[2g + 1]. moe_act_sums makes them for x and
-// the gate/up epilogue for h, so every token's offsets come from its own row by the same operations in
-// any batch. (An MMA of a -136 fragment with the activations gave the same offset at two tensor-core
-// products per group and n8 tile, a third of the MMAs: 5% of the forward at 1-16 tokens on the H200.)
-// A row covers whole chunks (8 halves each), so a chunk's sums are two 16-byte copies at any column count.
-__host__ __device__ constexpr int half_sum_stride(int cols) { return (cols / GROUP + CHUNK_GROUPS - 1) / CHUNK_GROUPS * 8; }
-constexpr float HALF_SUM_SCALE = -136.0f;
-
-// The group offset of two tokens from their rows' half sums of group g (float2: halves 2g, 2g + 1).
-__device__ __forceinline__ float2 group_offsets(float2 a, float2 b) {
-    return make_float2(__fadd_rn(a.x, a.y), __fadd_rn(b.x, b.y));
-}
-
 // One n8 tile's activations of one group as the two MMAs' B fragments (b[0], b[1] and b[2], b[3]),
 // paired as the weight words are: the lane holds group elements 8c .. 8c + 7 of its token, and the nibble
 // pairs (j, 4 + j) of a weight word hold the elements (j, 4 + j) in the checkpoint's order and (2j, 2j + 1)
@@ -403,12 +387,13 @@ __device__ __forceinline__ float2 group_offsets(float2 a, float2 b) {
 struct GroupActs {
     uint32_t b[4];
     // C fragment of -136 * (sum of the group's activations) for the lane's tokens 2c and 2c + 1 (rows
-    // r and r + 8 alike), the start of every m16 tile's group sum.
+    // r and r + 8 alike), the start of every m16 tile's group sum: one tensor-core product shared by the
+    // warp's m16 tiles in place of a bf16 subtraction per nibble pair.
     float offset[4];
 };
 
 template <bool INTERLEAVED>
-__device__ __forceinline__ GroupActs group_acts(uint4 x, float2 offsets) {
+__device__ __forceinline__ GroupActs group_acts(uint4 x, const uint32_t (&minus136)[4]) {
     GroupActs g;
     if (INTERLEAVED) {
         g.b[0] = x.x, g.b[1] = x.y, g.b[2] = x.z, g.b[3] = x.w;
@@ -418,8 +403,10 @@ __device__ __forceinline__ GroupActs group_acts(uint4 x, float2 offsets) {
         g.b[2] = __byte_perm(x.y, x.w, 0x5410);  // (2, 6)
         g.b[3] = __byte_perm(x.y, x.w, 0x7632);  // (3, 7)
     }
-    g.offset[0] = g.offset[2] = offsets.x;
-    g.offset[1] = g.offset[3] = offsets.y;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) g.offset[i] = 0.0f;
+    mma_bf16(g.offset, minus136, g.b[0], g.b[1]);
+    mma_bf16(g.offset, minus136, g.b[2], g.b[3]);
     return g;
 }
 
@@ -456,23 +443,13 @@ __device__ __forceinline__ uint4 load_act(const uint4* x, int g, int groups) {
     return g < groups ? __ldg(x + g * (GROUP / 8)) : make_uint4(0, 0, 0, 0);
 }
 
-// The lane's tokens' half sums of group g (tokens 2c and 2c + 1 of an n8 tile, rows `pair`), as group
-// offsets; the rows cover whole chunks, so groups past the last one read zeros.
-__device__ __forceinline__ float2 load_offsets(const float* const (&pair)[2], int g) {
-    const float2 a = __ldg(reinterpret_cast<const float2*>(pair[0]) + g);
-    const float2 b = __ldg(reinterpret_cast<const float2*>(pair[1]) + g);
-    return group_offsets(a, b);
-}
-
 // Multiplies one staged chunk (groups g0 .. g0 + 3) of MT m16 tiles with NT n8 tiles. With one n8 tile
-// the activations and the half sums of the lane's tokens 2c and 2c + 1 come from their stage in `xp` and
-// `sp`; with more they are loaded here from `act` and `sum_pair`, one group at a time, so they do not all
-// occupy registers at once.
+// the activations come from their stage in `xp`; with more they are loaded here, one group at a time, so
+// they do not all occupy registers at once.
 template <class Layout, int MT, int NT>
 __device__ __forceinline__ void chunk_mma(float (&acc)[MT][NT][4], const typename Layout::Stage* tiles,
-                                          const uint4 (&xp)[CHUNK_GROUPS], const float (&sp)[2][8],
-                                          const uint4* const (&act)[NT], const float* const (&sum_pair)[NT][2],
-                                          int g0, int groups) {
+                                          const uint4 (&xp)[CHUNK_GROUPS], const uint4* const (&act)[NT], int g0,
+                                          int groups, const uint32_t (&minus136)[4]) {
     uint4 lo[MT], hi[MT], sv[MT];  // word j of rows r and r + 8 per group j; sv: the scales (read)
 #pragma unroll
     for (int m = 0; m < MT; ++m) Layout::read(tiles[m], lo[m], hi[m], sv[m]);
@@ -481,11 +458,7 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[MT][NT][4], const typenam
         GroupActs x[NT];
 #pragma unroll
         for (int n = 0; n < NT; ++n)
-            x[n] = NT == 1 ? group_acts<Layout::INTERLEAVED>(
-                                 xp[j], group_offsets(make_float2(sp[0][2 * j], sp[0][2 * j + 1]),
-                                                      make_float2(sp[1][2 * j], sp[1][2 * j + 1])))
-                           : group_acts<Layout::INTERLEAVED>(load_act(act[n], g0 + j, groups),
-                                                             load_offsets(sum_pair[n], g0 + j));
+            x[n] = group_acts<Layout::INTERLEAVED>(NT == 1 ? xp[j] : load_act(act[n], g0 + j, groups), minus136);
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
             // sv: the scales of groups (0, 1) and (2, 3) of row r, then of row r + 8
@@ -510,34 +483,21 @@ struct GemmArgs {
 };
 
 // The activations of one chunk for one n8 tile, staged next to its weights: x[j][slot][c] holds
-// elements 8c .. 8c + 7 of group j of the chunk for token slot `slot`, the 16 bytes lane (slot, c) reads,
-// and sums[slot] the slot's 8 half sums of the chunk (half_sum_stride).
+// elements 8c .. 8c + 7 of group j of the chunk for token slot `slot`, the 16 bytes lane (slot, c) reads.
 struct ActStage {
     uint4 x[CHUNK_GROUPS][8][4];
-    float4 sums[8][2];
-};
-
-// A lane's activation rows for NT n8 tiles: x[n], its token's row in n-tile n advanced to element 8c
-// (lanes past the expert's tokens point at its last token: their columns are never stored); with one n8
-// tile `sums`, that token's half sums (staged per chunk), with more pair[n], the half sums of the tokens
-// 2c and 2c + 1 of n-tile n (loaded per group).
-template <int NT>
-struct ActRows {
-    const uint4* x[NT];
-    const float* sums;
-    const float* pair[NT][2];
 };
 
 // A warp's partial sums over the chunks first, first + step, ... (`count` of them) for NT n8 tiles of
-// tokens, the lane's activation rows `rows`. `ring` holds STAGES * MT
+// tokens; `act[n]` is the lane's activation row in n-tile n, advanced to element 8c (lanes past the
+// expert's tokens point at its last token: their columns are never stored). `ring` holds STAGES * MT
 // weight stages. The weights do not depend on any earlier kernel, so the first STAGES chunks' weights are
 // copied before `wait_inputs` (griddepcontrol.wait, or the narrow down GEMM's spin, rule H), and the
 // activations, which may be an earlier kernel's output, after it.
 //
 // With one n8 tile (the few-token case) the activations go through the cp.async pipeline as well, in
-// `acts` (STAGES ActStages): lane (r, c) copies its row's 64 bytes of a chunk (and lanes c < 2 its 32 bytes
-// of half sums) when r < `tokens`, and reads slot min(r, tokens - 1) (and the sums of slots 2c and
-// 2c + 1), so they arrive STAGES chunks ahead like the weights. cp.async groups:
+// `acts` (STAGES ActStages): lane (r, c) copies its row's 64 bytes of a chunk when r < `tokens`, and
+// reads slot min(r, tokens - 1), so they arrive STAGES chunks ahead like the weights. cp.async groups:
 // W0 .. W(S-1) (weights of chunks 0 .. S-1), then A0 .. A(S-1) (their activations), then one group per
 // later chunk (its weights and activations). Chunk i < S needs W_i and A_i, chunk i >= S its own group,
 // and either way exactly S - 1 newer groups have been committed when chunk i is used, so every wait
@@ -545,7 +505,7 @@ struct ActRows {
 // activations are loaded by each lane inside chunk_mma, and the groups are W0 .. W(S-1) then one per
 // later chunk, again S - 1 newer ones.
 template <class Layout, int MT, int NT, int STAGES, class WaitInputs>
-__device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, const ActRows<NT>& rows,
+__device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, const uint4* const (&act)[NT],
                           int tokens, int first, int count, int step, typename Layout::Stage* ring,
                           ActStage* acts, WaitInputs wait_inputs) {
     const int groups = args.cols / GROUP;
@@ -566,12 +526,10 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     // The lane's 64 bytes of each staged chunk, from a pointer that walks the chunks; when the group
     // count divides into whole chunks (every Kimi-K2 matrix), the four copies need no bounds checks.
     const bool whole_chunks = groups % CHUNK_GROUPS == 0;
-    const uint4* act_chunk = rows.x[0] + first * CHUNK_GROUPS * (GROUP / 8);
-    const float4* sum_chunk = reinterpret_cast<const float4*>(rows.sums) + first * 2 + c;
+    const uint4* act_chunk = act[0] + first * CHUNK_GROUPS * (GROUP / 8);
     int act_group = first * CHUNK_GROUPS;
     auto stage_acts = [&](int stage) {
         if (r < tokens) {
-            if (c < 2) cp_async16(&acts[stage].sums[r][c], sum_chunk, 16);
             if (whole_chunks) {
 #pragma unroll
                 for (int j = 0; j < CHUNK_GROUPS; ++j)
@@ -580,12 +538,11 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
 #pragma unroll
                 for (int j = 0; j < CHUNK_GROUPS; ++j) {
                     const bool in = act_group + j < groups;
-                    cp_async16(&acts[stage].x[j][r][c], in ? act_chunk + j * (GROUP / 8) : rows.x[0], in ? 16 : 0);
+                    cp_async16(&acts[stage].x[j][r][c], in ? act_chunk + j * (GROUP / 8) : act[0], in ? 16 : 0);
                 }
             }
         }
         act_chunk += step * CHUNK_GROUPS * (GROUP / 8);
-        sum_chunk += step * 2;
         act_group += step * CHUNK_GROUPS;
     };
 #pragma unroll 1
@@ -602,24 +559,20 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
             cp_async_commit();
         }
     }
+    // The A fragment of group_acts, made once: as an immediate, ptxas rebuilds it for every product.
+    uint32_t minus136[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("mov.b32 %0, 0xC308C308;\n" : "=r"(minus136[i]));  // (-136, -136)
     int use = 0;  // the stage of chunk i
     for (int i = 0, chunk = first; i < count; ++i, chunk += step) {
         cp_async_wait<STAGES - 1>();  // chunk i's weights (and activations) have landed for this lane ...
         __syncwarp();                 // ... and for every lane
         uint4 x[CHUNK_GROUPS];
-        float sp[2][8];
         if (NT == 1) {
 #pragma unroll
             for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = acts[use].x[j][slot][c];
-#pragma unroll
-            for (int t = 0; t < 2; ++t)
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    const float4 v = acts[use].sums[2 * c + t][q];
-                    sp[t][4 * q] = v.x, sp[t][4 * q + 1] = v.y, sp[t][4 * q + 2] = v.z, sp[t][4 * q + 3] = v.w;
-                }
         }
-        chunk_mma<Layout, MT, NT>(acc, ring + use * MT, x, sp, rows.x, rows.pair, chunk * CHUNK_GROUPS, groups);
+        chunk_mma<Layout, MT, NT>(acc, ring + use * MT, x, act, chunk * CHUNK_GROUPS, groups, minus136);
         __syncwarp();  // every lane is done with the stage before it is refilled
         if (i + STAGES < count) {
             stage_weights(use);
@@ -654,19 +607,17 @@ __device__ __forceinline__ int frag_row(int lane, int i) { return (lane >> 2) + 
 __device__ __forceinline__ int frag_col(int n, int lane, int i) { return n * 8 + 2 * (lane & 3) + (i & 1); }
 
 // A block's geometry: WARPS = KSPLIT warps splitting K by interleaved chunks x RGROUPS row groups of
-// MT m16 tiles. Shared memory: the warps' weight rings, then their activation rings (narrow kernels).
-// Once its last chunk is done a warp leaves its partial sums at the start of its own weight ring.
+// MT m16 tiles. Shared memory: the warps' stage rings, then the partial sums [KSPLIT][RGROUPS][frag].
 template <class Layout, int MT, int NT, int KSPLIT, int STAGES>
 struct BlockShape {
     typedef typename Layout::Stage Stage;
     static constexpr int WARPS = gemm_warps(NT, KSPLIT), THREADS = WARPS * 32;
     static constexpr int RGROUPS = WARPS / KSPLIT;
     static constexpr int FRAG = MT * NT * 128;  // accumulators of one warp
-    static constexpr size_t WARP_RING_BYTES = (size_t)STAGES * MT * sizeof(Stage);
-    static constexpr size_t WEIGHT_RING_BYTES = WARPS * WARP_RING_BYTES;
+    static constexpr size_t WEIGHT_RING_BYTES = (size_t)WARPS * STAGES * MT * sizeof(Stage);
     static constexpr size_t ACT_RING_BYTES = NT == 1 ? (size_t)WARPS * STAGES * sizeof(ActStage) : 0;
-    static constexpr size_t SHARED_BYTES = WEIGHT_RING_BYTES + ACT_RING_BYTES;
-    static_assert(FRAG * sizeof(float) <= WARP_RING_BYTES, "a warp's partial sums fit its weight ring");
+    static constexpr size_t RING_BYTES = WEIGHT_RING_BYTES + ACT_RING_BYTES;
+    static constexpr size_t SHARED_BYTES = RING_BYTES + (size_t)WARPS * FRAG * sizeof(float);
 
     __device__ static Stage* ring(unsigned char* smem) {
         return reinterpret_cast<Stage*>(smem) + (threadIdx.x >> 5) * STAGES * MT;
@@ -674,14 +625,12 @@ struct BlockShape {
     __device__ static ActStage* act_ring(unsigned char* smem) {
         return reinterpret_cast<ActStage*>(smem + WEIGHT_RING_BYTES) + (threadIdx.x >> 5) * STAGES;
     }
-    __device__ static const float* partials(const unsigned char* smem, int warp) {
-        return reinterpret_cast<const float*>(smem + warp * WARP_RING_BYTES);
-    }
+    __device__ static float* partials(unsigned char* smem) { return reinterpret_cast<float*>(smem + RING_BYTES); }
 
     // Runs the warp's share of a pass and leaves its accumulators in the partials.
     // A row group past the matrix (`rows_valid` false) computes nothing but still reaches the barriers.
     template <class WaitInputs>
-    __device__ static void pass(unsigned char* smem, const GemmArgs<MT>& args, const ActRows<NT>& rows,
+    __device__ static void pass(unsigned char* smem, const GemmArgs<MT>& args, const uint4* const (&act)[NT],
                                 int tokens, bool rows_valid, WaitInputs wait_inputs) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kslice = warp % KSPLIT;
         const int chunks = (args.cols / GROUP + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
@@ -689,11 +638,9 @@ struct BlockShape {
         // read neighbouring chunks at about the same time.
         const int count = rows_valid ? (chunks - kslice + KSPLIT - 1) / KSPLIT : 0;
         float acc[MT][NT][4];
-        warp_gemm<Layout, MT, NT, STAGES>(acc, args, rows, tokens, kslice, count, KSPLIT, ring(smem), act_ring(smem),
+        warp_gemm<Layout, MT, NT, STAGES>(acc, args, act, tokens, kslice, count, KSPLIT, ring(smem), act_ring(smem),
                                           wait_inputs);
-        // The warp's copies have all landed (warp_gemm ends with cp.async.wait_all) and its lanes are past
-        // their last reads of the ring (the loop's final __syncwarp), so the ring can take the partials.
-        float* out = const_cast<float*>(partials(smem, warp));
+        float* out = partials(smem) + (size_t)warp * FRAG;
 #pragma unroll
         for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -704,91 +651,51 @@ struct BlockShape {
 
     // Row group `rg`'s element idx summed over the K slices in order (warp w = rg * KSPLIT + kslice).
     __device__ static float sum(const unsigned char* smem, int rg, int idx) {
-        float s = partials(smem, rg * KSPLIT)[idx];
+        const float* p = reinterpret_cast<const float*>(smem + RING_BYTES) + (size_t)rg * KSPLIT * FRAG + idx;
+        float s = p[0];
 #pragma unroll
-        for (int k = 1; k < KSPLIT; ++k) s += partials(smem, rg * KSPLIT + k)[idx];
+        for (int k = 1; k < KSPLIT; ++k) s += p[(size_t)k * FRAG];
         return s;
     }
 };
 
-// The sum of 16 bf16 values in element order, times HALF_SUM_SCALE: one half-group sum (half_sum_stride).
-__device__ __forceinline__ float half_sum(const float (&v)[16]) {
-    float s = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) s = __fadd_rn(s, v[j]);
-    return __fmul_rn(s, HALF_SUM_SCALE);
-}
-
-// The lane's activation rows for one pass over the expert's tokens t0 .. (ActRows): `row_of(t)` is the
-// activation (and half-sum) row of the expert's t-th token, in a matrix of `cols` columns.
-template <int NT, class RowOf>
-__device__ __forceinline__ ActRows<NT> act_rows(const __nv_bfloat16* a, const float* sums, int cols, int t0,
-                                                int count, RowOf row_of) {
-    const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
-    const size_t stride = half_sum_stride(cols);
-    ActRows<NT> rows;
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        const size_t row = row_of(min(t0 + n * 8 + r, count - 1));
-        rows.x[n] = reinterpret_cast<const uint4*>(a + row * cols) + c;
-        if (n == 0) rows.sums = sums + row * stride;
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-            if constexpr (NT == 1)
-                rows.pair[n][p] = rows.sums;  // unused: the narrow kernels stage the sums
-            else
-                rows.pair[n][p] = sums + (size_t)row_of(min(t0 + n * 8 + 2 * c + p, count - 1)) * stride;
-        }
-    }
-    return rows;
-}
-
-// GEMM 1: h[pos, j] = bf16(silu(x · gate_j) * (x · up_j)) for the expert's sorted positions `pos`, and h's
-// half sums (a row group's 16 rows are one half group). A row group covers 16 rows j of gate (m tile 0)
-// and of up (m tile 1). Grid: (I / (16 RGROUPS), active experts). The routing (sorted_pairs) is complete
-// when the kernel starts, so the block finds its tokens and stages its first weights before its wait;
-// x and its half sums are read after it. The narrow kernel counts each block done in handoff[slot]
-// (rule H).
+// GEMM 1: h[pos, j] = bf16(silu(x · gate_j) * (x · up_j)) for the expert's sorted positions `pos`. A row
+// group covers 16 rows j of gate (m tile 0) and of up (m tile 1). Grid: (I / (16 RGROUPS), active experts).
+// The narrow kernel counts each block done in handoff[slot] (rule H).
 template <class Layout, int NT, int KSPLIT, int STAGES>
-__device__ void gate_up(const __nv_bfloat16* __restrict__ x, const float* __restrict__ x_sums,
-                        const uint32_t* __restrict__ w13, const __nv_bfloat16* __restrict__ w13_scale, int H, int I,
-                        int k, const int* __restrict__ sorted_pairs, const ExpertSlice& ex,
-                        __nv_bfloat16* __restrict__ h, float* __restrict__ h_sums, int* __restrict__ handoff) {
+__device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,
+                        const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k,
+                        const int* __restrict__ sorted_pairs, const ExpertSlice& ex, __nv_bfloat16* __restrict__ h,
+                        int* __restrict__ handoff) {
     typedef BlockShape<Layout, 2, NT, KSPLIT, STAGES> Shape;
     extern __shared__ __align__(16) unsigned char smem[];
-    // The block's h values as f32, [row group][token column][row], for the half sums.
-    __shared__ float h_vals[Shape::RGROUPS][NT * 8][16];
-    const int rg = (threadIdx.x >> 5) / KSPLIT;
+    const int lane = threadIdx.x & 31, rg = (threadIdx.x >> 5) / KSPLIT;
     const int j0 = (blockIdx.x * Shape::RGROUPS + rg) * 16;
     const GemmArgs<2> args{w13, w13_scale, H, {ex.expert * 2 * I + j0, ex.expert * 2 * I + I + j0}};
-    const auto token_of = [&](int t) { return t == 0 ? ex.first_token : __ldcg(sorted_pairs + ex.begin + t) / k; };
     for (int t0 = 0; t0 < ex.count; t0 += NT * 8) {
-        const ActRows<NT> rows = act_rows<NT>(x, x_sums, H, t0, ex.count, token_of);
-        Shape::pass(smem, args, rows, min(ex.count - t0, NT * 8), true, [] { pdl_wait(); });
+        const uint4* act[NT];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const int t = min(t0 + n * 8 + (lane >> 2), ex.count - 1);
+            const int token = t == 0 ? ex.first_token : sorted_pairs[ex.begin + t] / k;
+            act[n] = reinterpret_cast<const uint4*>(x + (size_t)token * H) + (lane & 3);
+        }
+        Shape::pass(smem, args, act, min(ex.count - t0, NT * 8), true, [] { pdl_wait(); });
         __syncthreads();
         for (int idx = threadIdx.x; idx < Shape::RGROUPS * NT * 128; idx += Shape::THREADS) {
             const int g = idx / (NT * 128), e = idx % (NT * 128);
             const int n = e / 128, l = (e / 4) & 31, i = e & 3;
-            const int col = frag_col(n, l, i), t = t0 + col;
+            const int t = t0 + frag_col(n, l, i);
             if (t >= ex.count) continue;
             const float gate = Shape::sum(smem, g, e), up = Shape::sum(smem, g, NT * 128 + e);
             const float silu = gate / (1.0f + expf(-gate));
             const int row = (blockIdx.x * Shape::RGROUPS + g) * 16 + frag_row(l, i);
-            const __nv_bfloat16 v = __float2bfloat16_rn(silu * up);
-            h[(size_t)(ex.begin + t) * I + row] = v;
-            h_vals[g][col][frag_row(l, i)] = __bfloat162float(v);
-        }
-        __syncthreads();
-        for (int idx = threadIdx.x; idx < Shape::RGROUPS * NT * 8; idx += Shape::THREADS) {
-            const int g = idx / (NT * 8), col = idx % (NT * 8), t = t0 + col;
-            if (t < ex.count)
-                h_sums[(size_t)(ex.begin + t) * half_sum_stride(I) + blockIdx.x * Shape::RGROUPS + g] =
-                    half_sum(h_vals[g][col]);
+            h[(size_t)(ex.begin + t) * I + row] = __float2bfloat16_rn(silu * up);
         }
         __syncthreads();
     }
-    // The barrier above orders every thread's h and half-sum stores before thread 0's release (fence +
-    // relaxed add, cumulative over what the barrier ordered), so one thread publishes the whole block's rows.
+    // The barrier above orders every thread's h stores before thread 0's release (fence + relaxed add,
+    // cumulative over what the barrier ordered), so one thread publishes the whole block's rows.
     if (NT == 1 && threadIdx.x == 0) add_release(handoff + blockIdx.y, 1);
 }
 
@@ -809,19 +716,23 @@ __device__ __forceinline__ void wait_for_expert(int* handoff, int gate_up_blocks
 // GEMM 2: y[pair, r] = h[pos] · down_r; a row group covers 32 rows (two m16 tiles).
 // Grid: (ceil(H / (32 RGROUPS)), active experts).
 template <class Layout, int NT, int KSPLIT, int STAGES>
-__device__ void down(const __nv_bfloat16* __restrict__ h, const float* __restrict__ h_sums,
-                     const uint32_t* __restrict__ w2, const __nv_bfloat16* __restrict__ w2_scale, int H, int I,
-                     const int* __restrict__ sorted_pairs, const ExpertSlice& ex, float* __restrict__ y,
-                     int* __restrict__ handoff) {
+__device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,
+                     const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int* __restrict__ sorted_pairs,
+                     const ExpertSlice& ex, float* __restrict__ y, int* __restrict__ handoff) {
     typedef BlockShape<Layout, 2, NT, KSPLIT, STAGES> Shape;
     extern __shared__ __align__(16) unsigned char smem[];
-    const int rg = (threadIdx.x >> 5) / KSPLIT;
+    const int lane = threadIdx.x & 31, rg = (threadIdx.x >> 5) / KSPLIT;
     const int r0 = (blockIdx.x * Shape::RGROUPS + rg) * 32;
     const GemmArgs<2> args{w2, w2_scale, I, {ex.expert * H + r0, ex.expert * H + r0 + 16}};
     for (int t0 = 0; t0 < ex.count; t0 += NT * 8) {
-        const ActRows<NT> rows = act_rows<NT>(h, h_sums, I, t0, ex.count, [&](int t) { return ex.begin + t; });
+        const uint4* act[NT];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const int t = min(t0 + n * 8 + (lane >> 2), ex.count - 1);
+            act[n] = reinterpret_cast<const uint4*>(h + (size_t)(ex.begin + t) * I) + (lane & 3);
+        }
         const int gate_up_blocks = (I + 15) / 16;  // the narrow gate/up grid's rows (asserted below)
-        Shape::pass(smem, args, rows, min(ex.count - t0, NT * 8), r0 < H, [&] {
+        Shape::pass(smem, args, act, min(ex.count - t0, NT * 8), r0 < H, [&] {
             if constexpr (NT == 1) {
                 static_assert(KSPLIT == 1 && Shape::WARPS == 1, "one warp per narrow down block: each counts once");
                 wait_for_expert(handoff, gate_up_blocks);
@@ -862,50 +773,48 @@ constexpr int WIDE_STAGES = 2;
 // wide ones (2 n8 tiles per pass), so the common few-token case keeps its registers and occupancy. Both
 // compute every element with the same operations, so which one serves an expert changes no result.
 template <class Layout, int NT, int STAGES>
-__device__ __forceinline__ void gate_up_kernel(const __nv_bfloat16* x, const float* x_sums, const uint32_t* w13,
+__device__ __forceinline__ void gate_up_kernel(const __nv_bfloat16* x, const uint32_t* w13,
                                                const __nv_bfloat16* w13_scale, int H, int I, int k,
                                                const int4* slices, const int* num_active, const int* pairs,
-                                               __nv_bfloat16* h, float* h_sums, int* handoff) {
-    // The routing is complete before this kernel starts (moe_act_sums runs between the alignment and it;
-    // rule T above), so the expert is known before the wait, and warp_gemm issues the block's first weight
-    // stages while the kernels before finish.
+                                               __nv_bfloat16* h, int* handoff) {
+    // The routing and x may come from the kernels just before: wait for them first (there is nothing
+    // to prefetch before knowing the expert).
+    pdl_wait();
+    pdl_launch_dependents();
     ExpertSlice ex;
-    if (block_expert(slices, num_active, ex) && (ex.count > 8) == (NT > 1))
-        gate_up<Layout, NT, GATE_UP_KSPLIT, STAGES>(x, x_sums, w13, w13_scale, H, I, k, pairs, ex, h, h_sums, handoff);
-    pdl_wait();  // rule W on every path (a block that ran has waited in warp_gemm already)
+    if (!block_expert(slices, num_active, ex) || (ex.count > 8) != (NT > 1)) return;
+    gate_up<Layout, NT, GATE_UP_KSPLIT, STAGES>(x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
 }
 
 template <class Layout, int NT, int STAGES>
-__device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const float* h_sums, const uint32_t* w2,
+__device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32_t* w2,
                                             const __nv_bfloat16* w2_scale, int H, int I, const int4* slices,
                                             const int* num_active, const int* pairs, float* y, int* handoff) {
     // The routing is complete before this kernel starts (rule T above), so the expert is known before
     // the wait, and warp_gemm issues the block's first weight stages while the gate/up GEMM finishes.
     ExpertSlice ex;
     if (block_expert(slices, num_active, ex) && (ex.count > 8) == (NT > 1))
-        down<Layout, NT, DOWN_KSPLIT, STAGES>(h, h_sums, w2, w2_scale, H, I, pairs, ex, y, handoff);
+        down<Layout, NT, DOWN_KSPLIT, STAGES>(h, w2, w2_scale, H, I, pairs, ex, y, handoff);
     pdl_wait();  // rule W on every path (a wide block has waited in warp_gemm already; a narrow one only spun)
 }
 
 #define KDT_MOE_GEMMS(LAYOUT, NT, STAGES, SUFFIX)                                                          \
     extern "C" __global__ void __launch_bounds__(gemm_warps(NT, GATE_UP_KSPLIT) * 32,                         \
                                                  gemm_min_blocks(NT, GATE_UP_KSPLIT))                         \
-        moe_gate_up_##SUFFIX(const __nv_bfloat16* __restrict__ x, const float* __restrict__ x_sums,            \
-                             const uint32_t* __restrict__ w13, const __nv_bfloat16* __restrict__ w13_scale,   \
-                             int H, int I, int k, const int4* __restrict__ slices,                            \
-                             const int* __restrict__ num_active, const int* __restrict__ pairs,               \
-                             __nv_bfloat16* __restrict__ h, float* __restrict__ h_sums,                       \
+        moe_gate_up_##SUFFIX(const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,           \
+                             const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k,                \
+                             const int4* __restrict__ slices, const int* __restrict__ num_active,             \
+                             const int* __restrict__ pairs, __nv_bfloat16* __restrict__ h,                    \
                              int* __restrict__ handoff) {                                                     \
-        gate_up_kernel<LAYOUT, NT, STAGES>(x, x_sums, w13, w13_scale, H, I, k, slices, num_active, pairs, h,  \
-                                           h_sums, handoff);                                                  \
+        gate_up_kernel<LAYOUT, NT, STAGES>(x, w13, w13_scale, H, I, k, slices, num_active, pairs, h, handoff); \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(gemm_warps(NT, DOWN_KSPLIT) * 32,                            \
                                                  gemm_min_blocks(NT, DOWN_KSPLIT))                            \
-        moe_down_##SUFFIX(const __nv_bfloat16* __restrict__ h, const float* __restrict__ h_sums,               \
-                          const uint32_t* __restrict__ w2, const __nv_bfloat16* __restrict__ w2_scale, int H, \
-                          int I, const int4* __restrict__ slices, const int* __restrict__ num_active,         \
+        moe_down_##SUFFIX(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,               \
+                          const __nv_bfloat16* __restrict__ w2_scale, int H, int I,                           \
+                          const int4* __restrict__ slices, const int* __restrict__ num_active,                \
                           const int* __restrict__ pairs, float* __restrict__ y, int* __restrict__ handoff) {  \
-        down_kernel<LAYOUT, NT, STAGES>(h, h_sums, w2, w2_scale, H, I, slices, num_active, pairs, y, handoff); \
+        down_kernel<LAYOUT, NT, STAGES>(h, w2, w2_scale, H, I, slices, num_active, pairs, y, handoff);         \
     }
 
 // Narrow kernels are held to 128 registers so 16 warps share an SM; the wide ones keep their two n8
@@ -929,27 +838,7 @@ static_assert(BlockShape<TiledLayout, 2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::RGRO
               "a narrow gate/up block is one 16-row group: the down GEMM waits for ceil(I / 16) of them (rule H)");
 static_assert(sizeof(NativeStage) == 1152, "src/cuda/moe_int4.rs sizes the native stages");
 static_assert(sizeof(StageTile) == 1152, "StageTile is the tiled layout's chunk image");
-static_assert(sizeof(ActStage) == 2304, "src/cuda/moe_int4.rs sizes the activation stages");
-
-// Half sums (half_sum_stride) of x [T, H]: grid T, ACT_SUM_THREADS threads; thread i makes halves i,
-// i + ACT_SUM_THREADS, ... of its row (the entries past H / 16 stay the zeros the plan allocated). The
-// first kernel of a forward: the GEMMs after it find the routing complete when they start (rule T).
-constexpr int ACT_SUM_THREADS = 256;  // mirrored in src/cuda/moe_int4.rs
-extern "C" __global__ void __launch_bounds__(ACT_SUM_THREADS)
-    moe_act_sums(const __nv_bfloat16* __restrict__ x, int H, float* __restrict__ sums) {
-    pdl_wait();  // x may come from the kernel before
-    pdl_launch_dependents();
-    const uint4* row = reinterpret_cast<const uint4*>(x + (size_t)blockIdx.x * H);
-    float* out = sums + (size_t)blockIdx.x * half_sum_stride(H);
-    for (int i = threadIdx.x; i < H / 16; i += ACT_SUM_THREADS) {
-        const uint4 a = __ldg(row + 2 * i), b = __ldg(row + 2 * i + 1);
-        const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        float v[16];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[2 * j] = bf16_lo(w[j]), v[2 * j + 1] = bf16_hi(w[j]);
-        out[i] = half_sum(v);
-    }
-}
+static_assert(sizeof(ActStage) == 2048, "src/cuda/moe_int4.rs sizes the activation stages");
 
 // out[t, c] = Σ_slot weight[t, slot] · y[t * k + slot, c], in slot order, multiply and add rounded
 // separately as in the CPU reference. Grid: (ceil(H / 256), T).

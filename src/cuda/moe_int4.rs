@@ -48,28 +48,21 @@ const fn gemm_warps(wide: bool, ksplit: usize) -> usize {
 /// layout's chunk image, or the native layout's 16 unpadded rows of 64 bytes, both followed by the 16
 /// rows' scales (kernels/moe_int4.cu StageTile, NativeStage).
 const STAGE_TILE_BYTES: usize = 1152;
-/// Bytes of one chunk's activations and their half sums for one n8 tile (kernels/moe_int4.cu ActStage).
-const ACT_STAGE_BYTES: usize = 2304;
-/// Threads of a half-sum block (kernels/moe_int4.cu ACT_SUM_THREADS).
-const ACT_SUM_THREADS: u32 = 256;
+/// Bytes of one chunk's activations for one n8 tile (kernels/moe_int4.cu ActStage).
+const ACT_STAGE_BYTES: usize = 2048;
 const ALIGN_THREADS: u32 = 512;
 /// Threads of a routing CTA (one token each): one per expert, up to kernels/moe_int4.cu MAX_EXPERTS.
 const ROUTE_THREADS: u32 = MAX_EXPERTS as u32;
 /// Tokens per expert served by the narrow GEMM kernels (one n8 MMA tile); more go to the wide ones.
 const NARROW_TOKENS: usize = 8;
 
-/// Dynamic shared memory of a GEMM kernel: each warp's ring of weight stages (2 m16 tiles per stage) and,
-/// for the narrow kernels, its ring of activation stages; a warp's partial sums reuse its weight ring.
-/// Must match BlockShape in the kernel.
+/// Dynamic shared memory of a GEMM kernel: each warp's ring of weight stages (2 m16 tiles per stage),
+/// for the narrow kernels each warp's ring of activation stages (2 KB each), and the warps' partial sums
+/// (2 m16 tiles x n8 tiles x 128 floats). Must match BlockShape in the kernel.
 const fn gemm_shared_bytes(wide: bool, ksplit: usize) -> usize {
-    let (stages, act_stage) = if wide { (2, 0) } else { (3, ACT_STAGE_BYTES) };
-    gemm_warps(wide, ksplit) * stages * (2 * STAGE_TILE_BYTES + act_stage)
-}
-
-/// Floats per row of half-group sums of an activation matrix with `cols` columns (kernels/moe_int4.cu
-/// half_sum_stride): 8 per chunk of 4 groups.
-const fn half_sum_stride(cols: usize) -> usize {
-    (cols / GROUP).div_ceil(4) * 8
+    let (stages, n_tiles, act_stage) = if wide { (2, 2, 0) } else { (3, 1, ACT_STAGE_BYTES) };
+    let warps = gemm_warps(wide, ksplit);
+    warps * stages * (2 * STAGE_TILE_BYTES + act_stage) + warps * 2 * n_tiles * 128 * 4
 }
 
 /// Shared memory of the gate/up (`down` false) or down GEMM.
@@ -291,11 +284,7 @@ pub struct MoePlan {
     handoff: CudaSlice<i32>,
     num_active: CudaSlice<i32>,
     status: CudaSlice<i32>,
-    /// Half-group sums of x and h (kernels/moe_int4.cu half_sum_stride); the entries past a row's
-    /// columns are never written and stay zero.
-    x_sums: CudaSlice<f32>,
     h: CudaSlice<bf16>,
-    h_sums: CudaSlice<f32>,
     y: CudaSlice<f32>,
 }
 
@@ -332,9 +321,7 @@ impl MoePlan {
             handoff: gpu.zeros(2 * MAX_EXPERTS)?,
             num_active: gpu.zeros(1)?,
             status: gpu.zeros(1)?,
-            x_sums: gpu.zeros(max_tokens * half_sum_stride(shape.hidden))?,
             h: gpu.zeros(pairs * shape.inter)?,
-            h_sums: gpu.zeros(pairs * half_sum_stride(shape.inter))?,
             y: gpu.zeros(pairs * shape.hidden)?,
         })
     }
@@ -446,7 +433,6 @@ impl MoePlan {
         check_len("out", out.len(), &[("T", tokens), ("H", h_dim)])?;
         check_aligned("x", x.device_ptr(gpu.stream()).0, 16)?;
         let blocks = self.shape.count.min(tokens * self.k) as u32;
-        self.launch_act_sums(gpu, x, tokens)?;
         let widths: &[bool] = if self.max_per_expert > NARROW_TOKENS { &[false, true] } else { &[false] };
         // The narrow gate/up GEMM goes last and the narrow down GEMM right after it, so that the down GEMM
         // stages its first weights during the gate/up GEMM's tail: at a few tokens the wide kernels have
@@ -473,15 +459,6 @@ impl MoePlan {
         gpu.launch_ex("moe_combine", &gpu.kernels.moe_combine, cfg, &mut a, true)
     }
 
-    /// x's half-group sums, the forward's first kernel (kernels/moe_int4.cu moe_act_sums).
-    fn launch_act_sums(&mut self, gpu: &Gpu, x: &CudaView<bf16>, tokens: usize) -> Result<()> {
-        let cfg =
-            LaunchConfig { grid_dim: (tokens as u32, 1, 1), block_dim: (ACT_SUM_THREADS, 1, 1), shared_mem_bytes: 0 };
-        let mut a = KernelArgs::new(gpu);
-        a.ptr(x).val(self.shape.hidden as i32).ptr_mut(&mut self.x_sums);
-        gpu.launch_ex("moe_act_sums", &gpu.kernels.moe_act_sums, cfg, &mut a, true)
-    }
-
     fn launch_gate_up(
         &mut self,
         gpu: &Gpu,
@@ -496,9 +473,9 @@ impl MoePlan {
         let cfg =
             LaunchConfig { grid_dim: (grid_rows, blocks, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
         let mut a = KernelArgs::new(gpu);
-        a.ptr(x).ptr(&self.x_sums).ptr(&experts.w13.packed).ptr(&experts.w13.scale).val(h).val(i).val(k);
+        a.ptr(x).ptr(&experts.w13.packed).ptr(&experts.w13.scale).val(h).val(i).val(k);
         a.ptr(&self.active_slices).ptr(&self.num_active).ptr(&self.sorted_pairs).ptr_mut(&mut self.h);
-        a.ptr_mut(&mut self.h_sums).ptr_mut(&mut self.handoff);
+        a.ptr_mut(&mut self.handoff);
         gpu.launch_ex(name, f, cfg, &mut a, true)
     }
 
@@ -509,7 +486,7 @@ impl MoePlan {
         let cfg =
             LaunchConfig { grid_dim: (grid_rows, blocks, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
         let mut a = KernelArgs::new(gpu);
-        a.ptr(&self.h).ptr(&self.h_sums).ptr(&experts.w2.packed).ptr(&experts.w2.scale).val(h).val(i);
+        a.ptr(&self.h).ptr(&experts.w2.packed).ptr(&experts.w2.scale).val(h).val(i);
         a.ptr(&self.active_slices).ptr(&self.num_active).ptr(&self.sorted_pairs).ptr_mut(&mut self.y);
         a.ptr_mut(&mut self.handoff);
         gpu.launch_ex(name, f, cfg, &mut a, true)
