@@ -130,8 +130,8 @@ impl Kernels {
             kv_compact: f("kv_compact")?,
             moe_route: f("moe_route")?,
             moe_align: f("moe_align")?,
-            moe_gate_up: Self::int4_pair(module, "moe_gate_up")?,
-            moe_down: Self::int4_pair(module, "moe_down")?,
+            moe_gate_up: Self::int4_pair(module, false)?,
+            moe_down: Self::int4_pair(module, true)?,
             moe_combine: f("moe_combine")?,
             int4_tile: f("int4_tile")?,
             int4_fill_random: f("int4_fill_random")?,
@@ -145,9 +145,9 @@ impl Kernels {
         })
     }
 
-    /// The narrow and wide variants of an INT4 GEMM for the layout the features choose.
-    fn int4_pair(module: &Arc<CudaModule>, family: &'static str) -> Result<[(&'static str, CudaFunction); 2]> {
-        let down = family != "moe_gate_up";
+    /// The narrow and wide variants of the gate/up (`down` false) or down INT4 GEMM for the layout the
+    /// features choose.
+    fn int4_pair(module: &Arc<CudaModule>, down: bool) -> Result<[(&'static str, CudaFunction); 2]> {
         let names: [&'static str; 2] = match (down, moe_int4::LAYOUT) {
             (false, moe_int4::Int4Layout::Native) => ["moe_gate_up_native", "moe_gate_up_wide_native"],
             (false, moe_int4::Int4Layout::Tiled) => ["moe_gate_up_tiled", "moe_gate_up_wide_tiled"],
