@@ -496,8 +496,10 @@ struct ActStage {
 // activations, which may be an earlier kernel's output, after it.
 //
 // With one n8 tile (the few-token case) the activations go through the cp.async pipeline as well, in
-// `acts` (STAGES ActStages): lane (r, c) copies its row's 64 bytes of a chunk when r < `tokens`, and
-// reads slot min(r, tokens - 1), so they arrive STAGES chunks ahead like the weights. cp.async groups:
+// `acts` (STAGES ActStages): lane (r, c) copies its row's 64 bytes of a chunk when r < `tokens`, so they
+// arrive STAGES chunks ahead like the weights; the slots of absent tokens are zeroed once, so those MMA
+// columns (never stored) multiply zeros, which draws less power than copies of a real token's
+// activations would (the board runs these kernels at its power cap). cp.async groups:
 // W0 .. W(S-1) (weights of chunks 0 .. S-1), then A0 .. A(S-1) (their activations), then one group per
 // later chunk (its weights and activations). Chunk i < S needs W_i and A_i, chunk i >= S its own group,
 // and either way exactly S - 1 newer groups have been committed when chunk i is used, so every wait
@@ -509,7 +511,7 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
                           int tokens, int first, int count, int step, typename Layout::Stage* ring,
                           ActStage* acts, WaitInputs wait_inputs) {
     const int groups = args.cols / GROUP;
-    const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3, slot = min(r, tokens - 1);
+    const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -550,6 +552,12 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
         if (s < count) stage_weights(s);
         cp_async_commit();  // also when empty, so the group count stays one per chunk
     }
+    if (NT == 1 && r >= tokens) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s)
+#pragma unroll
+            for (int j = 0; j < CHUNK_GROUPS; ++j) acts[s].x[j][r][c] = make_uint4(0, 0, 0, 0);
+    }
     wait_inputs();
     pdl_launch_dependents();
     if (NT == 1) {
@@ -570,7 +578,7 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
         uint4 x[CHUNK_GROUPS];
         if (NT == 1) {
 #pragma unroll
-            for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = acts[use].x[j][slot][c];
+            for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = acts[use].x[j][r][c];
         }
         chunk_mma<Layout, MT, NT>(acc, ring + use * MT, x, act, chunk * CHUNK_GROUPS, groups, minus136);
         __syncwarp();  // every lane is done with the stage before it is refilled
