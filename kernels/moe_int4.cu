@@ -54,7 +54,9 @@ constexpr int STATUS_BAD_EXPERT = 2;
 // The down GEMMs read the routing before their wait: it was written by the alignment, which precedes the
 // narrow gate/up GEMM, and every gate/up CTA triggers only after its wait, so when a down GEMM starts
 // the alignment has completed; those reads go through L2 (ld.global.cg) and never see a line an earlier
-// kernel left in L1.
+// kernel left in L1. In direct mode (one token, block_expert) the gate/up GEMM reads topk_ids before its
+// wait: the routing kernel (or set_routing's copy) that wrote it is at least two kernels back, so it has
+// completed when the gate/up GEMM starts.
 // (H) The narrow down GEMM does not wait for the whole narrow gate/up GEMM before it reads h: each narrow
 // gate/up block counts itself done in `handoff[slot]` once its h rows are written (a release), and a narrow
 // down block of that slot spins until all of the slot's gate/up blocks are done (an acquire load), so the
@@ -598,15 +600,37 @@ struct ExpertSlice {
     int expert, begin, count, first_token;
 };
 
-// The grid has at most E blocks in y, so active_slices[blockIdx.y] is in bounds: it is loaded together
-// with num_active, so one load latency precedes the block's first weight copy (an entry past num_active
-// is stale and unused). The loads go through L2 only (ld.global.cg): the down GEMM makes them before its
-// griddepcontrol.wait.
-__device__ __forceinline__ bool block_expert(const int4* active_slices, const int* num_active, ExpertSlice& s) {
+// Where a GEMM block finds its expert. After the alignment, blockIdx.y is the rank of an active expert:
+// the grid has at most E blocks in y, so active_slices[blockIdx.y] is in bounds, and it is loaded
+// together with num_active, so one load latency precedes the block's first weight copy (an entry past
+// num_active is stale and unused). With one token ("direct"), the k routing slots are the experts, each
+// with its one pair: the block of slot y serves expert topk_ids[y] with pair y as its h and y row, the
+// aligned path's arithmetic on other rows, so the bits are the same. The routing is complete when the
+// gate/up GEMM starts while the alignment may not be (rule T), so the direct gate/up kernel stages its
+// first weights before its wait. An id out of range (which the alignment reports) leaves its slot idle in
+// both GEMMs. The loads go through L2 only (ld.global.cg): they precede griddepcontrol.wait.
+struct BlockRouting {
+    const int4* active_slices;
+    const int* num_active;
+    const int* topk_ids;
+    int experts, direct;
+};
+
+__device__ __forceinline__ bool aligned_expert(const int4* active_slices, const int* num_active, ExpertSlice& s) {
     const int active = __ldcg(num_active);
     const int4 slice = __ldcg(active_slices + blockIdx.y);
     s = ExpertSlice{slice.x, slice.y, slice.z, slice.w};
     return (int)blockIdx.y < active;
+}
+
+__device__ __forceinline__ bool direct_expert(const int* topk_ids, int experts, ExpertSlice& s) {
+    const int e = __ldcg(topk_ids + blockIdx.y);
+    s = ExpertSlice{e, (int)blockIdx.y, 1, 0};
+    return e >= 0 && e < experts;
+}
+
+__device__ __forceinline__ bool block_expert(const BlockRouting& r, ExpertSlice& s) {
+    return r.direct ? direct_expert(r.topk_ids, r.experts, s) : aligned_expert(r.active_slices, r.num_active, s);
 }
 
 // The fragment element idx = ((m * NT + n) * 32 + lane) * 4 + i sits at tile row lane / 4 (+ 8 for
@@ -726,7 +750,7 @@ __device__ __forceinline__ void wait_for_expert(int* handoff, int gate_up_blocks
 template <class Layout, int NT, int KSPLIT, int STAGES>
 __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,
                      const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int* __restrict__ sorted_pairs,
-                     const ExpertSlice& ex, float* __restrict__ y, int* __restrict__ handoff) {
+                     bool direct, const ExpertSlice& ex, float* __restrict__ y, int* __restrict__ handoff) {
     typedef BlockShape<Layout, 2, NT, KSPLIT, STAGES> Shape;
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, rg = (threadIdx.x >> 5) / KSPLIT;
@@ -756,7 +780,8 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
             if (t >= ex.count) continue;
             const int row = (blockIdx.x * Shape::RGROUPS + g) * 32 + m * 16 + frag_row(l, i);
             if (row >= H) continue;
-            y[(size_t)sorted_pairs[ex.begin + t] * H + row] = Shape::sum(smem, g, e);
+            const int pair = direct ? ex.begin + t : sorted_pairs[ex.begin + t];
+            y[(size_t)pair * H + row] = Shape::sum(smem, g, e);
         }
         __syncthreads();
     }
@@ -785,24 +810,37 @@ __device__ __forceinline__ void gate_up_kernel(const __nv_bfloat16* x, const uin
                                                const __nv_bfloat16* w13_scale, int H, int I, int k,
                                                const int4* slices, const int* num_active, const int* pairs,
                                                __nv_bfloat16* h, int* handoff) {
-    // The routing and x may come from the kernels just before: wait for them first (there is nothing
+    // The alignment and x may come from the kernels just before: wait for them first (there is nothing
     // to prefetch before knowing the expert).
     pdl_wait();
     pdl_launch_dependents();
     ExpertSlice ex;
-    if (!block_expert(slices, num_active, ex) || (ex.count > 8) != (NT > 1)) return;
+    if (!aligned_expert(slices, num_active, ex) || (ex.count > 8) != (NT > 1)) return;
     gate_up<Layout, NT, GATE_UP_KSPLIT, STAGES>(x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
+}
+
+// The gate/up GEMM of one token (direct_expert): the expert is known before the wait, so warp_gemm
+// issues the first weight stages while the kernels before finish.
+template <class Layout, int STAGES>
+__device__ __forceinline__ void gate_up_direct_kernel(const __nv_bfloat16* x, const uint32_t* w13,
+                                                      const __nv_bfloat16* w13_scale, int H, int I,
+                                                      const int* topk_ids, int experts, __nv_bfloat16* h,
+                                                      int* handoff) {
+    ExpertSlice ex;
+    if (direct_expert(topk_ids, experts, ex))
+        gate_up<Layout, 1, GATE_UP_KSPLIT, STAGES>(x, w13, w13_scale, H, I, 1, nullptr, ex, h, handoff);
+    pdl_wait();  // rule W on every path (a block that ran has waited in warp_gemm already)
 }
 
 template <class Layout, int NT, int STAGES>
 __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32_t* w2,
-                                            const __nv_bfloat16* w2_scale, int H, int I, const int4* slices,
-                                            const int* num_active, const int* pairs, float* y, int* handoff) {
+                                            const __nv_bfloat16* w2_scale, int H, int I, const BlockRouting& routing,
+                                            const int* pairs, float* y, int* handoff) {
     // The routing is complete before this kernel starts (rule T above), so the expert is known before
     // the wait, and warp_gemm issues the block's first weight stages while the gate/up GEMM finishes.
     ExpertSlice ex;
-    if (block_expert(slices, num_active, ex) && (ex.count > 8) == (NT > 1))
-        down<Layout, NT, DOWN_KSPLIT, STAGES>(h, w2, w2_scale, H, I, pairs, ex, y, handoff);
+    if (block_expert(routing, ex) && (ex.count > 8) == (NT > 1))
+        down<Layout, NT, DOWN_KSPLIT, STAGES>(h, w2, w2_scale, H, I, pairs, routing.direct, ex, y, handoff);
     pdl_wait();  // rule W on every path (a wide block has waited in warp_gemm already; a narrow one only spun)
 }
 
@@ -821,8 +859,21 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
         moe_down_##SUFFIX(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,               \
                           const __nv_bfloat16* __restrict__ w2_scale, int H, int I,                           \
                           const int4* __restrict__ slices, const int* __restrict__ num_active,                \
-                          const int* __restrict__ pairs, float* __restrict__ y, int* __restrict__ handoff) {  \
-        down_kernel<LAYOUT, NT, STAGES>(h, w2, w2_scale, H, I, slices, num_active, pairs, y, handoff);         \
+                          const int* __restrict__ topk_ids, int E, int direct, const int* __restrict__ pairs,  \
+                          float* __restrict__ y, int* __restrict__ handoff) {                                 \
+        down_kernel<LAYOUT, NT, STAGES>(h, w2, w2_scale, H, I, BlockRouting{slices, num_active, topk_ids, E,  \
+                                        direct}, pairs, y, handoff);                                          \
+    }
+
+// The direct gate/up GEMM (one token, so narrow only), with the narrow kernel's geometry.
+#define KDT_MOE_GATE_UP_DIRECT(LAYOUT, SUFFIX)                                                               \
+    extern "C" __global__ void __launch_bounds__(gemm_warps(1, GATE_UP_KSPLIT) * 32,                          \
+                                                 gemm_min_blocks(1, GATE_UP_KSPLIT))                          \
+        moe_gate_up_direct_##SUFFIX(const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,    \
+                                    const __nv_bfloat16* __restrict__ w13_scale, int H, int I,                \
+                                    const int* __restrict__ topk_ids, int E, __nv_bfloat16* __restrict__ h,   \
+                                    int* __restrict__ handoff) {                                              \
+        gate_up_direct_kernel<LAYOUT, NARROW_STAGES>(x, w13, w13_scale, H, I, topk_ids, E, h, handoff);       \
     }
 
 // Narrow kernels are held to 128 registers so 16 warps share an SM; the wide ones keep their two n8
@@ -831,6 +882,8 @@ KDT_MOE_GEMMS(NativeLayout, 1, NARROW_STAGES, native)
 KDT_MOE_GEMMS(NativeLayout, 2, WIDE_STAGES, wide_native)
 KDT_MOE_GEMMS(TiledLayout, 1, NARROW_STAGES, tiled)
 KDT_MOE_GEMMS(TiledLayout, 2, WIDE_STAGES, wide_tiled)
+KDT_MOE_GATE_UP_DIRECT(NativeLayout, native)
+KDT_MOE_GATE_UP_DIRECT(TiledLayout, tiled)
 
 // Dynamic shared memory of each GEMM kernel, for the launcher (which must match these sizes).
 template <class Layout>

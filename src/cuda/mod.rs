@@ -102,6 +102,8 @@ struct Kernels {
     moe_align: CudaFunction,
     /// The INT4 GEMMs of the compiled-in layout: [narrow, wide].
     moe_gate_up: [(&'static str, CudaFunction); 2],
+    /// The narrow gate/up GEMM of one token, which takes its experts from the routing.
+    moe_gate_up_direct: (&'static str, CudaFunction),
     moe_down: [(&'static str, CudaFunction); 2],
     moe_combine: CudaFunction,
     int4_tile: CudaFunction,
@@ -131,6 +133,15 @@ impl Kernels {
             moe_route: f("moe_route")?,
             moe_align: f("moe_align")?,
             moe_gate_up: Self::int4_pair(module, false)?,
+            moe_gate_up_direct: Self::int4_gemm(
+                module,
+                match moe_int4::LAYOUT {
+                    moe_int4::Int4Layout::Native => "moe_gate_up_direct_native",
+                    moe_int4::Int4Layout::Tiled => "moe_gate_up_direct_tiled",
+                },
+                false,
+                false,
+            )?,
             moe_down: Self::int4_pair(module, true)?,
             moe_combine: f("moe_combine")?,
             int4_tile: f("int4_tile")?,
@@ -154,20 +165,32 @@ impl Kernels {
             (true, moe_int4::Int4Layout::Native) => ["moe_down_native", "moe_down_wide_native"],
             (true, moe_int4::Int4Layout::Tiled) => ["moe_down_tiled", "moe_down_wide_tiled"],
         };
-        let load = |name: &'static str, wide: bool| -> Result<(&'static str, CudaFunction)> {
-            let f = module.load_function(name).map_err(|e| cuda_err("load_function", e))?;
-            f.set_attribute(
-                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                moe_int4::gemm_shared_bytes_of(down, wide) as i32,
-            )
-            .map_err(|e| cuda_err("INT4 GEMM shared memory attribute", e))?;
-            Ok((name, f))
-        };
-        Ok([load(names[0], false)?, load(names[1], true)?])
+        Ok([Self::int4_gemm(module, names[0], down, false)?, Self::int4_gemm(module, names[1], down, true)?])
+    }
+
+    /// An INT4 GEMM kernel, allowed the dynamic shared memory of its geometry.
+    fn int4_gemm(
+        module: &Arc<CudaModule>,
+        name: &'static str,
+        down: bool,
+        wide: bool,
+    ) -> Result<(&'static str, CudaFunction)> {
+        let f = module.load_function(name).map_err(|e| cuda_err("load_function", e))?;
+        f.set_attribute(
+            sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            moe_int4::gemm_shared_bytes_of(down, wide) as i32,
+        )
+        .map_err(|e| cuda_err("INT4 GEMM shared memory attribute", e))?;
+        Ok((name, f))
     }
 
     fn moe_gate_up(&self, wide: bool) -> (&'static str, &CudaFunction) {
         let (name, f) = &self.moe_gate_up[wide as usize];
+        (name, f)
+    }
+
+    fn moe_gate_up_direct(&self) -> (&'static str, &CudaFunction) {
+        let (name, f) = &self.moe_gate_up_direct;
         (name, f)
     }
 

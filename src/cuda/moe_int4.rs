@@ -433,7 +433,9 @@ impl MoePlan {
         check_len("out", out.len(), &[("T", tokens), ("H", h_dim)])?;
         check_aligned("x", x.device_ptr(gpu.stream()).0, 16)?;
         let blocks = self.shape.count.min(tokens * self.k) as u32;
-        let widths: &[bool] = if self.max_per_expert > NARROW_TOKENS { &[false, true] } else { &[false] };
+        // With one token each routing slot is one expert with one pair, so only the narrow GEMMs run.
+        let widths: &[bool] =
+            if self.max_per_expert > NARROW_TOKENS && !self.direct() { &[false, true] } else { &[false] };
         // The narrow gate/up GEMM goes last and the narrow down GEMM right after it, so that the down GEMM
         // stages its first weights during the gate/up GEMM's tail: at a few tokens the wide kernels have
         // few or no experts, and one between them would hold the down GEMM back until the gate/up GEMM
@@ -467,16 +469,36 @@ impl MoePlan {
         blocks: u32,
         wide: bool,
     ) -> Result<()> {
-        let (name, f) = gpu.kernels.moe_gate_up(wide);
+        let direct = self.direct();
+        let (name, f) = if direct { gpu.kernels.moe_gate_up_direct() } else { gpu.kernels.moe_gate_up(wide) };
         let (h, i, k) = (self.shape.hidden as i32, self.shape.inter as i32, self.k as i32);
         let (grid_rows, threads, shared) = gemm_geometry(self.shape.inter, GATE_UP_GROUP_ROWS, GATE_UP_KSPLIT, wide);
         let cfg =
             LaunchConfig { grid_dim: (grid_rows, blocks, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
         let mut a = KernelArgs::new(gpu);
-        a.ptr(x).ptr(&experts.w13.packed).ptr(&experts.w13.scale).val(h).val(i).val(k);
-        a.ptr(&self.active_slices).ptr(&self.num_active).ptr(&self.sorted_pairs).ptr_mut(&mut self.h);
-        a.ptr_mut(&mut self.handoff);
+        a.ptr(x).ptr(&experts.w13.packed).ptr(&experts.w13.scale).val(h).val(i);
+        if direct {
+            a.ptr(&self.topk_ids).val(self.shape.count as i32);
+        } else {
+            a.val(k).ptr(&self.active_slices).ptr(&self.num_active).ptr(&self.sorted_pairs);
+        }
+        a.ptr_mut(&mut self.h).ptr_mut(&mut self.handoff);
         gpu.launch_ex(name, f, cfg, &mut a, true)
+    }
+
+    /// Whether the GEMMs take their experts straight from the routing (one token: each slot is one expert
+    /// with one pair; kernels/moe_int4.cu direct_expert), so that the gate/up GEMM stages its first
+    /// weights before the alignment has completed.
+    fn direct(&self) -> bool {
+        self.tokens == 1
+    }
+
+    /// Where the down GEMM's blocks find their experts (kernels/moe_int4.cu BlockRouting): the alignment's
+    /// active slices, or with one token the routing's slots (see [`MoePlan::direct`]).
+    fn routing_args(&self, a: &mut KernelArgs<'_>) {
+        let direct = i32::from(self.direct());
+        a.ptr(&self.active_slices).ptr(&self.num_active).ptr(&self.topk_ids);
+        a.val(self.shape.count as i32).val(direct);
     }
 
     fn launch_down(&mut self, gpu: &Gpu, experts: &DeviceExperts, blocks: u32, wide: bool) -> Result<()> {
@@ -487,8 +509,8 @@ impl MoePlan {
             LaunchConfig { grid_dim: (grid_rows, blocks, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
         let mut a = KernelArgs::new(gpu);
         a.ptr(&self.h).ptr(&experts.w2.packed).ptr(&experts.w2.scale).val(h).val(i);
-        a.ptr(&self.active_slices).ptr(&self.num_active).ptr(&self.sorted_pairs).ptr_mut(&mut self.y);
-        a.ptr_mut(&mut self.handoff);
+        self.routing_args(&mut a);
+        a.ptr(&self.sorted_pairs).ptr_mut(&mut self.y).ptr_mut(&mut self.handoff);
         gpu.launch_ex(name, f, cfg, &mut a, true)
     }
 
