@@ -365,6 +365,44 @@ mod gpu {
         }
     }
 
+    /// A forward over a routing with an expert id out of range reports it, and the plan's next forward
+    /// over a valid routing gives the bits of a fresh plan: no count the kernels keep between forwards
+    /// (kernels/moe_int4.cu rule H) is left set. T 1 takes the direct path, where the valid slots still
+    /// run; T 3 the aligned one, where nothing runs.
+    #[test]
+    fn a_plan_recovers_from_an_invalid_routing() {
+        let Some(gpu) = gpu() else { return };
+        let (e, k, h, i) = (8, 2, 256, 64);
+        let w = random_layer(41, e, h, i);
+        let experts = w.experts();
+        let dev = DeviceExperts::upload(gpu, &experts).unwrap();
+        let mut next = xorshift(42);
+        let mut plan = MoePlan::new(gpu, dev.shape, k, 3).unwrap();
+        for t in [1usize, 3] {
+            let x = random_bf16(&mut next, t * h, 4.0);
+            let logits = random_logits(&mut next, t * e);
+            let routing = route(&logits, &vec![0.0; e], e, k, 2.827).unwrap();
+            let mut bad_ids = routing.topk_ids.clone();
+            bad_ids[k - 1] = e as i32;
+            let x_dev = gpu.upload(&x).unwrap();
+            let weights = gpu.upload(&routing.topk_weights).unwrap();
+            let mut out = gpu.zeros::<f32>(t * h).unwrap();
+            for (ids, valid) in
+                [(&bad_ids, false), (&routing.topk_ids, true), (&bad_ids, false), (&routing.topk_ids, true)]
+            {
+                let ids = gpu.upload(ids).unwrap();
+                plan.set_routing(gpu, &ids.as_view(), &weights.as_view(), t).unwrap();
+                plan.experts_forward(gpu, &dev, &x_dev.as_view(), &mut out.as_view_mut()).unwrap();
+                let status = plan.check_status(gpu);
+                assert_eq!(status.is_ok(), valid, "T {t}: {status:?}");
+                if valid {
+                    let want = gpu.moe_int4_on(&x, &routing, &dev).unwrap();
+                    assert_bits("after an invalid routing", &format!("T {t}"), &gpu.download(&out).unwrap(), &want);
+                }
+            }
+        }
+    }
+
     /// Steps of routing + experts captured in one graph and replayed give every step's eager output bit
     /// for bit. The steps reuse the plan's buffers with a new routing each, and the kernels overlap their
     /// predecessors (programmatic dependent launch, most of all inside a graph), so a kernel that read
