@@ -50,7 +50,14 @@ constexpr int STATUS_BAD_EXPERT = 2;
 //     its predecessor has, and by induction after everything queued before it;
 // (T) a CTA triggers only after it has waited (or, in a kernel launched without the attribute, at any
 //     time: everything before it completed before it started), so when a kernel starts, the kernel two
-//     back and all before it have completed.
+//     back and all before it have completed. The combine is the one exception: it triggers first, so the
+//     kernel after it (a gate/up GEMM of the next forward, or a plain launch, which waits for the
+//     combine to complete) may start while the down GEMM still runs. A gate/up GEMM reads nothing before
+//     its wait that a down GEMM or the combine writes (only the weights, and in direct mode topk_ids, which
+//     the routing wrote before the alignment), and the down GEMM after it starts only once the gate/up
+//     blocks have waited, i.e. once the combine and so the down GEMM before it have completed: for every
+//     kernel from that down GEMM on, T holds again. The combine's CTAs have all started when the gate/up
+//     blocks launch, so the gate/up blocks that wait on it cannot keep it from running.
 // The down GEMMs read the routing before their wait: it was written by the alignment, which precedes the
 // narrow gate/up GEMM, and every gate/up CTA triggers only after its wait, so when a down GEMM starts
 // the alignment has completed; those reads go through L2 (ld.global.cg) and never see a line an earlier
@@ -906,8 +913,10 @@ static_assert(sizeof(ActStage) == 2048, "src/cuda/moe_int4.rs sizes the activati
 extern "C" __global__ void __launch_bounds__(256)
     moe_combine(const float* __restrict__ y, const float* __restrict__ topk_weights, int H, int k,
                 float* __restrict__ out) {
-    pdl_wait();  // y and topk_weights come from earlier kernels
+    // The one exception to rule T (see there): the next forward's gate/up blocks may start as soon as every
+    // combine CTA has, and stage their first weights during the down GEMM's tail.
     pdl_launch_dependents();
+    pdl_wait();  // y and topk_weights come from earlier kernels
     const int t = blockIdx.y, col = blockIdx.x * 256 + threadIdx.x;
     if (col >= H) return;
     float acc = 0.0f;
