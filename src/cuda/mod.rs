@@ -132,17 +132,9 @@ impl Kernels {
             kv_compact: f("kv_compact")?,
             moe_route: f("moe_route")?,
             moe_align: f("moe_align")?,
-            moe_gate_up: Self::int4_pair(module, false)?,
-            moe_gate_up_direct: Self::int4_gemm(
-                module,
-                match moe_int4::LAYOUT {
-                    moe_int4::Int4Layout::Native => "moe_gate_up_direct_native",
-                    moe_int4::Int4Layout::Tiled => "moe_gate_up_direct_tiled",
-                },
-                false,
-                false,
-            )?,
-            moe_down: Self::int4_pair(module, true)?,
+            moe_gate_up: Self::int4_pair(module, INT4_NAMES.gate_up, false)?,
+            moe_gate_up_direct: Self::int4_gemm(module, INT4_NAMES.gate_up_direct, false, false)?,
+            moe_down: Self::int4_pair(module, INT4_NAMES.down, true)?,
             moe_combine: f("moe_combine")?,
             int4_tile: f("int4_tile")?,
             int4_fill_random: f("int4_fill_random")?,
@@ -156,15 +148,12 @@ impl Kernels {
         })
     }
 
-    /// The narrow and wide variants of the gate/up (`down` false) or down INT4 GEMM for the layout the
-    /// features choose.
-    fn int4_pair(module: &Arc<CudaModule>, down: bool) -> Result<[(&'static str, CudaFunction); 2]> {
-        let names: [&'static str; 2] = match (down, moe_int4::LAYOUT) {
-            (false, moe_int4::Int4Layout::Native) => ["moe_gate_up_native", "moe_gate_up_wide_native"],
-            (false, moe_int4::Int4Layout::Tiled) => ["moe_gate_up_tiled", "moe_gate_up_wide_tiled"],
-            (true, moe_int4::Int4Layout::Native) => ["moe_down_native", "moe_down_wide_native"],
-            (true, moe_int4::Int4Layout::Tiled) => ["moe_down_tiled", "moe_down_wide_tiled"],
-        };
+    /// The narrow and wide variants (`names`) of the gate/up (`down` false) or down INT4 GEMM.
+    fn int4_pair(
+        module: &Arc<CudaModule>,
+        names: [&'static str; 2],
+        down: bool,
+    ) -> Result<[(&'static str, CudaFunction); 2]> {
         Ok([Self::int4_gemm(module, names[0], down, false)?, Self::int4_gemm(module, names[1], down, true)?])
     }
 
@@ -199,6 +188,30 @@ impl Kernels {
         (name, f)
     }
 }
+
+/// The INT4 GEMM kernels of one layout (kernels/moe_int4.cu KDT_MOE_GEMMS and KDT_MOE_GATE_UP_DIRECT).
+struct Int4Names {
+    /// gate/up: [narrow, wide]
+    gate_up: [&'static str; 2],
+    /// down: [narrow, wide]
+    down: [&'static str; 2],
+    /// the narrow gate/up GEMM of one token
+    gate_up_direct: &'static str,
+}
+
+/// The INT4 GEMM kernels of the layout the features choose.
+const INT4_NAMES: Int4Names = match moe_int4::LAYOUT {
+    moe_int4::Int4Layout::Native => Int4Names {
+        gate_up: ["moe_gate_up_native", "moe_gate_up_wide_native"],
+        down: ["moe_down_native", "moe_down_wide_native"],
+        gate_up_direct: "moe_gate_up_direct_native",
+    },
+    moe_int4::Int4Layout::Tiled => Int4Names {
+        gate_up: ["moe_gate_up_tiled", "moe_gate_up_wide_tiled"],
+        down: ["moe_down_tiled", "moe_down_wide_tiled"],
+        gate_up_direct: "moe_gate_up_direct_tiled",
+    },
+};
 
 /// A CUDA device with the kernels loaded and one stream that every launch and copy goes to. Buffers
 /// made by a `Gpu` must only be used on its stream.
