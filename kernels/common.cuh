@@ -97,6 +97,28 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
 }
+// L2 eviction priorities (createpolicy, sm_80+): evict_first for data read once as it streams past,
+// evict_last for small data written and read back soon, so that the stream does not push it out.
+__device__ __forceinline__ u64 l2_evict_first() {
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+__device__ __forceinline__ u64 l2_evict_last() {
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+// cp_async16 under an L2 policy.
+__device__ __forceinline__ void cp_async16_hint(void* dst, const void* src, int bytes, u64 policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr(dst)),
+                 "l"(src), "r"(bytes), "l"(policy));
+}
+// A float2 store under an L2 policy.
+__device__ __forceinline__ void st_float2_hint(float* dst, float2 v, u64 policy) {
+    asm volatile("st.global.L2::cache_hint.v2.f32 [%0], {%1, %2}, %3;\n" ::"l"(dst), "f"(v.x), "f"(v.y), "l"(policy)
+                 : "memory");
+}
 __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
 }
