@@ -108,7 +108,7 @@ static_assert(ROW_KEYS == 2 && ROW_THREADS == 16, "softmax: one float2 of keys p
 static_assert(SPLIT % BK == 0, "a chunk is whole sub-tiles, so sub-tile borders sit at the same keys in every mode");
 
 struct Smem {
-    __nv_bfloat16 kv[STAGES][BK][KV_STRIDE];  // key sub-tiles, whole cache rows
+    __nv_bfloat16 kv[STAGES][BK][KV_STRIDE];  // key sub-tiles, whole cache rows (at a chunk start, stage 1: Q)
     float s_part[4][BM][S_STRIDE];            // S partial sums of the four dim quarters
     __nv_bfloat16 p_hi[BM][P_STRIDE];         // P rounded to bf16 ...
     __nv_bfloat16 p_lo[BM][P_STRIDE];         // ... and the bf16 rounding of the remainder
@@ -228,20 +228,30 @@ __device__ __forceinline__ void load_subtile(Smem& s, const __nv_bfloat16* cache
         cp_async16_hint(dst + 64 * line, src + 64 * line, valid ? 16 : 0, policy);
 }
 
-// Q fragments of one dim quarter for the tile rows r and r + 8 (zero past row1).
-__device__ __forceinline__ void load_q(uint32_t (&qa)[QUARTER_STEPS][4], const __nv_bfloat16* q, const Task& t,
-                                       int quarter, int r, int tq) {
-    const int ra = t.row0 + r, rb = ra + 8;
-    const unsigned int* pa = reinterpret_cast<const unsigned int*>(q + (long long)min(ra, t.row1 - 1) * ROW);
-    const unsigned int* pb = reinterpret_cast<const unsigned int*>(q + (long long)min(rb, t.row1 - 1) * ROW);
-#pragma unroll
-    for (int j = 0; j < QUARTER_STEPS; ++j) {
-        const int w = (quarter * QUARTER + 16 * j + 2 * tq) / 2;  // 32-bit word of dims (d, d + 1)
-        qa[j][0] = ra < t.row1 ? __ldg(pa + w) : 0u;
-        qa[j][1] = rb < t.row1 ? __ldg(pb + w) : 0u;
-        qa[j][2] = ra < t.row1 ? __ldg(pa + w + 4) : 0u;
-        qa[j][3] = rb < t.row1 ? __ldg(pb + w + 4) : 0u;
+// Queues the tile's query rows into the second stage (rows past row1 zero-filled), swizzled like key
+// rows: 16-byte copies in the first sub-tile's cp.async group, instead of each thread's 4-byte loads of
+// its fragments, whose latency the first S mma waited on (on the H200: H 16 decodes 1-5%, H 64 8%,
+// tree_verify 9-10% faster; unfolded H 8 decodes up to 1.7% slower, the chunk's first sub-tile refill
+// now waiting for load_q). The stage is not refilled before run_chunk's first barrier, which comes after
+// load_q.
+__device__ __forceinline__ void stage_q(Smem& s, const __nv_bfloat16* q, const Task& t) {
+    static_assert(STAGES >= 2 && BM <= BK, "the query tile fits the second stage");
+    for (int i = threadIdx.x; i < BM * PIECES; i += THREADS) {
+        const int r = i / PIECES, p = i % PIECES;
+        const bool valid = t.row0 + r < t.row1;
+        const __nv_bfloat16* src = q + (long long)(valid ? t.row0 + r : t.row0) * ROW + 8 * p;
+        cp_async16(&s.kv[1][r][8 * swizzle(p, r)], src, valid ? 16 : 0);
     }
+}
+
+// Q fragments of one dim quarter for m-tile `mtile` from the staged tile: the x4 of k-step j holds
+// (rows 0-7, dims k..k+7), (rows 8-15, k..k+7), (rows 0-7, k+8..k+15), (rows 8-15, k+8..k+15), the
+// order of the mma's A fragment.
+__device__ __forceinline__ void load_q(uint32_t (&qa)[QUARTER_STEPS][4], const Smem& s, int quarter, int mtile,
+                                       int lane) {
+    const int row = 16 * mtile + (lane & 15), piece = quarter * QUARTER / 8 + (lane >> 4);
+#pragma unroll
+    for (int j = 0; j < QUARTER_STEPS; ++j) ldmatrix_x4(qa[j], &s.kv[1][row][8 * swizzle(piece + 2 * j, row)]);
 }
 
 // Column of key k in row r of an S partial: the four 8-key blocks of a row are permuted by r mod 4, so
@@ -467,16 +477,18 @@ __device__ __forceinline__ void fold_partial(Smem& s, const Task& t, const float
 }
 
 // Starts chunk t.chunk for a tile of query rows sharing its key list: builds the key list and queues
-// the first STAGES - 1 sub-tiles (one cp.async group each, sub-tile j in stage j). Returns the chunk's
+// the first STAGES - 1 sub-tiles (one cp.async group each, sub-tile j in stage j), the query rows in the
+// first group (stage_q). Returns the chunk's
 // key count. The barrier after the key list also waits until every thread is done with the previous
 // chunk's stages (each thread's last read of key_off precedes its last run_chunk barrier), so this may
 // run as soon as run_chunk returns, ahead of fold_partial, and the chunk's first loads fly meanwhile.
-__device__ int begin_chunk(Smem& s, const Task& t, const Pages& pg, int n_rows, const __nv_bfloat16* cache,
-                           int* status) {
+__device__ int begin_chunk(Smem& s, const Task& t, const Pages& pg, int n_rows, const __nv_bfloat16* q,
+                           const __nv_bfloat16* cache, int* status) {
     const int nkeys = min(SPLIT, t.len - t.chunk * SPLIT);
     build_key_list(s, t, pg, n_rows, nkeys, status);
     __syncthreads();  // key_off is complete
     const int nsub = (nkeys + BK - 1) / BK;
+    stage_q(s, q, t);
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
         load_subtile(s, cache, st, nkeys, st, st < nsub);
@@ -490,15 +502,17 @@ __device__ int begin_chunk(Smem& s, const Task& t, const Pages& pg, int n_rows, 
 // sub-tile of BK keys: the sub-tile has landed (and the previous one's stage is released), the S
 // partials are complete, P is complete. Sub-tile `sub` lives in stage sub % STAGES; the stage refilled
 // at iteration sub is that of sub - 1, which every warp has finished reading at the first barrier.
-// The Q fragments are loaded here for every chunk (L1 / L2 hits after the first), so that they hold no
+// The Q fragments are loaded here for every chunk (staged again by begin_chunk), so that they hold no
 // registers across the chunk kernel's fold.
-__device__ void run_chunk(Smem& s, const Task& t, int nkeys, const __nv_bfloat16* q, const __nv_bfloat16* cache,
-                          float scale_log2, float (&o)[MT][PV_NT][4], RowState& row) {
+__device__ void run_chunk(Smem& s, int nkeys, const __nv_bfloat16* cache, float scale_log2, float (&o)[MT][PV_NT][4],
+                          RowState& row) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // S: warp = (quarter, m-tile, n-group); the Q fragments of its quarter and m-tile stay in registers.
     const int quarter = warp / (WARPS / 4), mtile = warp / (NT / S_NT) % MT, n0 = warp % (NT / S_NT) * S_NT;
+    cp_async_wait<0>();  // the query rows (and sub-tile 0) have landed for this thread ...
+    __syncthreads();     // ... and for every thread
     uint32_t qa[QUARTER_STEPS][4];
-    load_q(qa, q, t, quarter, 16 * mtile + (lane >> 2), lane & 3);
+    load_q(qa, s, quarter, mtile, lane);
     const int nsub = (nkeys + BK - 1) / BK;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -641,11 +655,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)
     const Pages pg{block_table + (long long)request * pages_per_req, pages_per_req, page_size, num_pages};
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float scale_log2 = __fmul_rn(scale, LOG2E);
-    int nkeys = begin_chunk(s, t, pg, n_rows, cache, status);
+    int nkeys = begin_chunk(s, t, pg, n_rows, q, cache, status);
     float o[MT][PV_NT][4];
     RowState row;
     if (!folding) {
-        run_chunk(s, t, nkeys, q, cache, scale_log2, o, row);
+        run_chunk(s, nkeys, cache, scale_log2, o, row);
         store_partial(t, o, row, warp, lane, max_chunks, part_o, part_ml);
         return;
     }
@@ -656,10 +670,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)
     const int last = min(min(first + FOLD, chunks), max_chunks);
     RowState group{-INFINITY, 0.f};
     for (int c = first; c < last; ++c) {
-        run_chunk(s, t, nkeys, q, cache, scale_log2, o, row);
+        run_chunk(s, nkeys, cache, scale_log2, o, row);
         if (c + 1 < last) {
             t.chunk = c + 1;
-            nkeys = begin_chunk(s, t, pg, n_rows, cache, status);
+            nkeys = begin_chunk(s, t, pg, n_rows, q, cache, status);
         }
         fold_partial(s, t, o, row, group, c == first, first, warp, lane, max_chunks, part_o);
     }
