@@ -76,8 +76,9 @@ constexpr int ROW_KEYS = BK / ROW_THREADS;  // keys per softmax thread
 // mma M tiles (16 query rows each) per CTA, 8 warps per M tile. Two (512 threads, 32 rows) share
 // each staged key between twice the mmas, but at the 128 registers that 512 threads allow a CTA
 // holds a whole SM, and on the H200 that was no faster for H 64 decodes (1-4%) and 7-14% slower for
-// tree prefixes than two one-tile CTAs per SM. The kernel holds for either (src/cuda/mla.rs mirrors
-// the block size, tile rows and shared memory).
+// tree prefixes than two one-tile CTAs per SM (sessions before the swizzled rows). The kernel now
+// takes one: load_subtile maps 8 threads to a key row and accumulate_pv swizzles from a warp's first
+// dim, both static_asserted (src/cuda/mla.rs mirrors the block size, tile rows and shared memory).
 constexpr int MT = 1;
 constexpr int BM = 16 * MT;                    // query rows per CTA
 constexpr int THREADS = 256 * MT;
@@ -86,6 +87,7 @@ constexpr int WARP_DIMS = LATENT / WARPS;      // output dims per warp in P.V
 constexpr int PV_NT = WARP_DIMS / 8;           // their n-tiles
 static_assert(WARPS == 4 * MT * (NT / S_NT), "S: one warp per (dim quarter, m-tile, S_NT n-tiles)");
 static_assert(PV_NT % 2 == 0, "P.V: V fragments come in pairs of n-tiles");
+static_assert(WARP_DIMS % 64 == 0, "P.V: a warp's dims start a group of 8 pieces, which swizzle permutes");
 static_assert(THREADS == BM * ROW_THREADS, "softmax: ROW_THREADS threads per row");
 static_assert(THREADS % BK == 0, "load_subtile: the same number of threads per key row");
 
