@@ -376,8 +376,8 @@ impl Inputs<'_, '_> {
 ///   times longer, so its last wave weighs four times as much;
 /// - partials: an unfolded chunk writes `tile_rows` partials (2 KiB each) that the combine reads back,
 ///   2 · 16 KiB per 288 KiB chunk at H 8 (+11% traffic), 2 · 32 KiB at 16 rows (+22%); folded, a quarter.
-///   (Stored evict-last, the partials of a small launch stay in L2; never folding was still 4-9% slower
-///   on every decode row this folds, and 2% faster on tree prefixes, on the H200 in session 18.)
+///   (Stored evict-last, the partials of a small launch stay in L2; never folding was still 3-10% slower
+///   on the H 8 / H 16 decode rows this folds, 1-4% at H 64, and 2% faster on tree prefixes (H200, session 18).)
 ///
 /// Folding also needs the folded launch to fill one wave: below that, each CTA runs its four chunks
 /// back to back at the latency floor (60 µs or more), where this estimate is the least reliable.
