@@ -212,7 +212,7 @@ __device__ __forceinline__ int swizzle(int piece, int row) { return piece ^ (row
 // are zero-filled so that their (zero) probabilities never meet stale or uninitialized values.
 // The copies ask L2 to evict their lines first: the cache streams past once per launch, and without
 // the hint it pushes out the partials that the combine reads back and that the next launch rewrites,
-// which then go back to DRAM (on the H200: H 8 / H 16 decodes 6-10% faster, tree_verify within 1%).
+// which then go back to DRAM (on the H200: H 8 / H 16 decodes 4-11% faster, tree_verify within 1%).
 __device__ __forceinline__ void load_subtile(Smem& s, const __nv_bfloat16* cache, int sub, int nkeys, int stage,
                                              bool active) {
     if (!active) return;
@@ -417,7 +417,7 @@ __device__ __forceinline__ void accumulate_pv(Smem& s, int stage, float (&o)[MT]
 }
 
 // Writes the chunk's partial results of the tile's valid rows to slot t.chunk: output, then (max, sum).
-// The outputs are stored evict-last, so that they stay in L2 for the combine (about 2% on unfolded
+// The outputs are stored evict-last, so that they stay in L2 for the combine (1-5% more on unfolded
 // decodes); fold_partial's group states do not take the hint, which was 1-2% slower on folded launches.
 __device__ __forceinline__ void store_partial(const Task& t, const float (&o)[MT][PV_NT][4], const RowState& st,
                                               int warp, int lane, int max_chunks, float* part_o, float* part_ml) {
