@@ -347,6 +347,7 @@ struct TiledLayout {
     const uint4* words;   // the lane's first piece of the current chunk
     const uint4* scales;  // the scale piece of lane % 8
     int step;             // chunks from one staged chunk to the next
+    u64 policy;           // L2 evict-first: the weights stream past once (T 4-64 1-2% faster on the H200, T 1 the same)
 
     __device__ __forceinline__ TiledLayout(const uint32_t* packed, const __nv_bfloat16* scale, int row0, int groups,
                                            int chunk, int chunk_step) {
@@ -355,13 +356,14 @@ struct TiledLayout {
         const size_t tile = (size_t)(row0 / 16) * ((groups + CHUNK_GROUPS - 1) / CHUNK_GROUPS) + chunk;
         words = reinterpret_cast<const uint4*>(packed) + tile * 64 + lane;
         scales = reinterpret_cast<const uint4*>(scale) + tile * 8 + (lane & 7);
+        policy = l2_evict_first();
     }
 
     __device__ __forceinline__ void stage(StageTile* dst) {
         const int lane = threadIdx.x & 31;
-        cp_async16(&dst->word[0][lane], words, 16);
-        cp_async16(&dst->word[1][lane], words + 32, 16);
-        if (lane < 8) cp_async16(&dst->scale[lane][0][0], scales, 16);
+        cp_async16_hint(&dst->word[0][lane], words, 16, policy);
+        cp_async16_hint(&dst->word[1][lane], words + 32, 16, policy);
+        if (lane < 8) cp_async16_hint(&dst->scale[lane][0][0], scales, 16, policy);
         words += 64 * step;
         scales += 8 * step;
     }
