@@ -479,11 +479,11 @@ __device__ __forceinline__ void fold_partial(Smem& s, const Task& t, const float
 }
 
 // Starts chunk t.chunk for a tile of query rows sharing its key list: builds the key list and queues
-// the first STAGES - 1 sub-tiles (one cp.async group each, sub-tile j in stage j), the query rows in the
-// first group (stage_q). Returns the chunk's
-// key count. The barrier after the key list also waits until every thread is done with the previous
-// chunk's stages (each thread's last read of key_off precedes its last run_chunk barrier), so this may
-// run as soon as run_chunk returns, ahead of fold_partial, and the chunk's first loads fly meanwhile.
+// the first STAGES - 1 sub-tiles (one cp.async group each, sub-tile j in stage j), the query rows in
+// the first group (stage_q). Returns the chunk's key count. The barrier after the key list also waits
+// until every thread is done with the previous chunk's stages (each thread's last read of key_off
+// precedes its last run_chunk barrier), so this may run as soon as run_chunk returns, ahead of
+// fold_partial, and the chunk's first loads fly meanwhile.
 __device__ int begin_chunk(Smem& s, const Task& t, const Pages& pg, int n_rows, const __nv_bfloat16* q,
                            const __nv_bfloat16* cache, int* status) {
     const int nkeys = min(SPLIT, t.len - t.chunk * SPLIT);
