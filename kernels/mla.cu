@@ -422,6 +422,7 @@ __device__ __forceinline__ void accumulate_pv(Smem& s, int stage, float (&o)[MT]
 __device__ __forceinline__ void store_partial(const Task& t, const float (&o)[MT][PV_NT][4], const RowState& st,
                                               int warp, int lane, int max_chunks, float* part_o, float* part_ml) {
     const int g = lane >> 2;
+    const u64 policy = l2_evict_last();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -430,7 +431,6 @@ __device__ __forceinline__ void store_partial(const Task& t, const float (&o)[MT
             if (r >= t.row1) continue;
             float* dst =
                 part_o + ((long long)r * max_chunks + t.chunk) * LATENT + warp * WARP_DIMS + 2 * (lane & 3);
-            const u64 policy = l2_evict_last();
 #pragma unroll
             for (int nt = 0; nt < PV_NT; ++nt)
                 st_float2_hint(dst + 8 * nt, make_float2(o[mt][nt][2 * half], o[mt][nt][2 * half + 1]), policy);
