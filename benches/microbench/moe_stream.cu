@@ -1,0 +1,168 @@
+// Read-bandwidth microbenchmark of the narrow gate/up GEMM's copies (kernels/moe_int4.cu, one token, Kimi-K2
+// shapes) in both INT4 layouts: how fast do the two layouts' access patterns stream without the math? Each
+// block is one row group of 4 K-slice warps (16 gate rows and 16 up rows), 4 blocks an SM; each warp walks
+// its 14 chunks of 128 inputs through a 3-stage cp.async ring of both tiles' weights and scales plus the
+// token's 256 activation bytes, and runs `work` rounds of 4 independent FMAs per chunk in place of the
+// dequantization and MMAs. Patterns:
+//   native:        16 rows x 64 B per tile and chunk at the checkpoint's row stride, 8 B of scales per row
+//                  (NativeLayout); the K slices take interleaved chunks (warp k: chunks k, k + 4, ...)
+//   native-slices: the same copies, each K slice a contiguous run of 14 chunks
+//   native-pf128 / native-pf256: native with the copies' L2 prefetch size (cp.async .L2::128B / 256B) on
+//                  the weights and .L2::128B on the scales, so that L2 fetches a row's next pieces, which the
+//                  other K slices read next, in the same DRAM access
+//   native-ks8:    native with 8 K-slice warps a block (7 chunks each, 2 blocks an SM): 512 bytes of a row
+//                  per round of the block instead of 256
+//   tiled:         one 1152-byte chunk image per tile (TiledLayout), interleaved K slices
+// (All without the L2 evict-first hint that TiledLayout's copies carry.)
+// GB/s counts packed weights and scales. Standalone, for the GPU machine (BENCHMARKS.md, session 20):
+//   nvcc -arch=sm_90 -O3 -std=c++17 moe_stream.cu -o moe_stream && ./moe_stream
+#include <cstdint>
+#include <cstdio>
+#include <cuda_runtime.h>
+#define CK(x)                                                                   \
+    do {                                                                        \
+        cudaError_t e = (x);                                                    \
+        if (e != cudaSuccess) {                                                 \
+            printf("%s: %s\n", #x, cudaGetErrorString(e));                      \
+            exit(1);                                                            \
+        }                                                                       \
+    } while (0)
+
+constexpr int H = 7168, I = 2048, ROWS = 2 * I, GROUPS = H / 32, CHUNKS = GROUPS / 4;
+constexpr int STAGES = 3;
+constexpr size_t ROW_PIECES = H / 32;  // 16-byte pieces of packed weights per row (one per group)
+constexpr size_t EXPERT_PIECES = (size_t)ROWS * ROW_PIECES, EXPERT_SCALES = (size_t)ROWS * GROUPS;
+constexpr int SMEM = 56 * 1024;  // the real kernel's 14 KB a warp: 4 blocks an SM
+enum Pattern { NATIVE, NATIVE_SLICES, NATIVE_PF128, NATIVE_PF256, NATIVE_KS8, TILED };
+
+__device__ __forceinline__ uint32_t sa(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void cp16(void* s, const void* g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa(s)), "l"(g));
+}
+template <int PF>
+__device__ __forceinline__ void cp16_pf(void* s, const void* g) {
+    if (PF == 128) asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(sa(s)), "l"(g));
+    else if (PF == 256) asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(sa(s)), "l"(g));
+    else cp16(s, g);
+}
+template <int PF>
+__device__ __forceinline__ void cp8(void* s, const void* g) {
+    if (PF) asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 8;\n" ::"r"(sa(s)), "l"(g));
+    else asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(sa(s)), "l"(g));
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// grid (I / 16 row groups, experts), 32 * KS threads. The checksum is stored only on an unlikely value, so the
+// reads stay and nothing is written.
+template <Pattern P, int KS = P == NATIVE_KS8 ? 8 : 4>
+__global__ void __launch_bounds__(32 * KS) narrow_gate_up(const uint4* w, const uint16_t* sc, const uint4* x, int work,
+                                                      uint32_t* out) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    constexpr int PER_WARP = CHUNKS / KS, PF = P == NATIVE_PF128 ? 128 : P == NATIVE_PF256 ? 256 : 0;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane >> 2, j = lane & 3;
+    uint8_t* ring = smem + warp * STAGES * 2560;  // per stage: 2 tiles x 1152 B, then 256 B of activations
+    const uint4* ew = w + blockIdx.y * EXPERT_PIECES;
+    const uint16_t* es = sc + blockIdx.y * EXPERT_SCALES;
+    auto chunk_of = [&](int i) { return P == NATIVE_SLICES ? warp * PER_WARP + i : i * KS + warp; };
+    auto issue = [&](int i, int st) {
+        if (i < PER_WARP) {
+            const int q = chunk_of(i);
+            for (int m = 0; m < 2; ++m) {
+                const int row0 = m * I + blockIdx.x * 16;
+                uint8_t* dst = ring + st * 2560 + m * 1152;
+                if (P == TILED) {
+                    const uint4* img = ew + ((size_t)(row0 / 16) * CHUNKS + q) * 64;
+                    cp16(dst + 16 * lane, img + lane);
+                    cp16(dst + 512 + 16 * lane, img + 32 + lane);
+                    if (lane < 8)
+                        cp16(dst + 1024 + 16 * lane,
+                             reinterpret_cast<const uint4*>(es) + ((size_t)(row0 / 16) * CHUNKS + q) * 8 + lane);
+                } else {
+                    const uint4* piece = ew + (size_t)(row0 + r) * ROW_PIECES + 4 * q + j;
+                    cp16_pf<PF>(dst + 64 * r + 16 * j, piece);
+                    cp16_pf<PF>(dst + 64 * (r + 8) + 16 * j, piece + 8 * ROW_PIECES);
+                    if (lane < 16) cp8<PF>(dst + 1024 + 8 * lane, es + (size_t)(row0 + lane) * GROUPS + 4 * q);
+                }
+            }
+            if (r == 0) {
+                for (int g = 0; g < 4; ++g) cp16(ring + st * 2560 + 2304 + 64 * g + 16 * j, x + (4 * q + g) * 4 + j);
+            }
+        }
+        commit();
+    };
+    for (int s = 0; s < STAGES; ++s) issue(s, s);
+    uint32_t acc = 0;
+    float f0 = lane, f1 = 1.0f, f2 = 2.0f, f3 = 3.0f;
+    for (int i = 0; i < PER_WARP; ++i) {
+        wait<STAGES - 1>();
+        __syncwarp();
+        const int st = i % STAGES;
+        const uint4 a = *reinterpret_cast<const uint4*>(ring + st * 2560 + 16 * lane);
+        const uint4 b = *reinterpret_cast<const uint4*>(ring + st * 2560 + 1152 + 16 * lane);
+        acc ^= a.x ^ a.w ^ b.y ^ b.z;
+        for (int k = 0; k < work; ++k) {
+            f0 = fmaf(f0, 1.0001f, 0.5f);
+            f1 = fmaf(f1, 1.0001f, 0.5f);
+            f2 = fmaf(f2, 1.0001f, 0.5f);
+            f3 = fmaf(f3, 1.0001f, 0.5f);
+        }
+        __syncwarp();
+        issue(i + STAGES, st);
+    }
+    wait<0>();
+    if (acc == 0x12345678u || f0 + f1 + f2 + f3 == 0.0f) out[0] = acc;
+}
+
+int main() {
+    const int experts = 128;  // 2.1 GB: far past L2
+    uint4 *w, *x;
+    uint16_t* sc;
+    uint8_t* dst;
+    uint32_t* out;
+    const size_t wbytes = experts * EXPERT_PIECES * 16, sbytes = experts * EXPERT_SCALES * 2;
+    CK(cudaMalloc(&w, wbytes));
+    CK(cudaMalloc(&sc, sbytes));
+    CK(cudaMalloc(&x, H * 2));
+    CK(cudaMalloc(&dst, wbytes));
+    CK(cudaMalloc(&out, 4));
+    CK(cudaMemset(w, 1, wbytes));
+    CK(cudaMemset(sc, 1, sbytes));
+    CK(cudaMemset(x, 1, H * 2));
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    auto time = [&](const char* name, double bytes, auto f) {
+        for (int i = 0; i < 3; ++i) f();
+        CK(cudaEventRecord(a));
+        const int reps = 10;
+        for (int i = 0; i < reps; ++i) f();
+        CK(cudaEventRecord(b));
+        CK(cudaEventSynchronize(b));
+        CK(cudaGetLastError());
+        float ms;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        printf("%-28s %9.1f us %7.0f GB/s\n", name, ms * 1000 / reps, bytes * reps / (ms * 1e-3) / 1e9);
+    };
+    time("memcpy d2d (read+write)", 2.0 * wbytes, [&] { CK(cudaMemcpyAsync(dst, w, wbytes, cudaMemcpyDeviceToDevice)); });
+    const dim3 grid(I / 16, experts);
+    auto run = [&](const char* name, auto kernel, int threads = 128) {
+        const int smem = SMEM * threads / 128;
+        CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        for (int work : {0, 32, 64}) {
+            char label[64];
+            snprintf(label, sizeof label, "%s work %d", name, work);
+            time(label, (double)(wbytes + sbytes), [&] { kernel<<<grid, threads, smem>>>(w, sc, x, work, out); });
+        }
+    };
+    run("native", narrow_gate_up<NATIVE>);
+    run("native-slices", narrow_gate_up<NATIVE_SLICES>);
+    run("native-pf128", narrow_gate_up<NATIVE_PF128>);
+    run("native-pf256", narrow_gate_up<NATIVE_PF256>);
+    run("native-ks8", narrow_gate_up<NATIVE_KS8>, 256);
+    run("tiled", narrow_gate_up<TILED>);
+    return 0;
+}
