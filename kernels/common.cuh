@@ -122,6 +122,15 @@ __device__ __forceinline__ void st_float2_hint(float* dst, float2 v, u64 policy)
 __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
 }
+// cp_async16 and cp_async8 that ask L2 to fetch the source's whole 128-byte line (the .L2::128B prefetch
+// size), for reads of a few sectors of a line whose other sectors other warps read soon after.
+__device__ __forceinline__ void cp_async16_line(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(bytes));
+}
+__device__ __forceinline__ void cp_async8_line(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
