@@ -286,8 +286,10 @@ __device__ __forceinline__ int native_swizzle(int row) { return (row >> 1) & 3; 
 // 8 bytes of their row's scales (4-byte-aligned groups only, i.e. a group count divisible by 4; other
 // shapes, small ones, load the scales with plain loads). The copies ask L2 for whole 128-byte lines: the
 // next chunk of a row, which another K slice (or this warp) reads next, then comes in the same DRAM
-// access (benches/microbench/moe_stream.cu on the H200: this access pattern streams at 4359 GB/s with
-// the hint against 3959 without; the tiled layout's at 4554).
+// access. On the H200 this access pattern streams at 4359 GB/s with the hint against 3959 without (the
+// tiled layout's at 4554; benches/microbench/moe_stream.cu), and the forward is 4-7% faster at T 1-64.
+// The tiled layout's evict-first policy on top of it made T 4-64 4-5% slower: the line's other half
+// leaves L2 before the next K slice reads it.
 struct NativeLayout {
     typedef NativeStage Stage;
     static constexpr bool INTERLEAVED = false;  // nibble i of a word is element i
