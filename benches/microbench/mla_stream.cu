@@ -12,8 +12,8 @@
 #include <vector>
 #include <random>
 #include <algorithm>
-#include <cuda_runtime.h>
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
+
+#include "microbench.cuh"
 
 constexpr int ROW_BYTES = 576 * 2, SPLIT = 256, PAGE = 64, THREADS = 256;
 

@@ -11,15 +11,7 @@
 #include <cuda_runtime.h>
 
 #include "../../kernels/common.cuh"  // kdt::mma_bf16, the wrapper every kernel uses
-
-#define CK(x)                                                                 \
-    do {                                                                      \
-        cudaError_t e = (x);                                                  \
-        if (e != cudaSuccess) {                                               \
-            printf("%s: %s\n", #x, cudaGetErrorString(e));                    \
-            exit(1);                                                          \
-        }                                                                     \
-    } while (0)
+#include "microbench.cuh"
 
 // The operands come from the thread index, so nothing is constant-folded; the accumulators are stored
 // only on an unlikely value, so the mmas cannot be removed and nothing is written.

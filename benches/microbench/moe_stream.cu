@@ -17,16 +17,8 @@
 // GB/s counts packed weights and scales. Standalone, for the GPU machine (BENCHMARKS.md, session 20):
 //   nvcc -arch=sm_90 -O3 -std=c++17 moe_stream.cu -o moe_stream && ./moe_stream
 #include <cstdint>
-#include <cstdio>
-#include <cuda_runtime.h>
-#define CK(x)                                                                   \
-    do {                                                                        \
-        cudaError_t e = (x);                                                    \
-        if (e != cudaSuccess) {                                                 \
-            printf("%s: %s\n", #x, cudaGetErrorString(e));                      \
-            exit(1);                                                            \
-        }                                                                       \
-    } while (0)
+
+#include "microbench.cuh"
 
 constexpr int H = 7168, I = 2048, ROWS = 2 * I, GROUPS = H / 32, CHUNKS = GROUPS / 4;
 constexpr int STAGES = 3;
@@ -132,20 +124,9 @@ int main() {
     CK(cudaMemset(w, 1, wbytes));
     CK(cudaMemset(sc, 1, sbytes));
     CK(cudaMemset(x, 1, H * 2));
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
     auto time = [&](const char* name, double bytes, auto f) {
-        for (int i = 0; i < 3; ++i) f();
-        CK(cudaEventRecord(a));
-        const int reps = 10;
-        for (int i = 0; i < reps; ++i) f();
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        CK(cudaGetLastError());
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        printf("%-28s %9.1f us %7.0f GB/s\n", name, ms * 1000 / reps, bytes * reps / (ms * 1e-3) / 1e9);
+        const float ms = time_ms(f);
+        printf("%-28s %9.1f us %7.0f GB/s\n", name, ms * 1000, bytes / (ms * 1e-3) / 1e9);
     };
     time("memcpy d2d (read+write)", 2.0 * wbytes, [&] { CK(cudaMemcpyAsync(dst, w, wbytes, cudaMemcpyDeviceToDevice)); });
     const dim3 grid(I / 16, experts);

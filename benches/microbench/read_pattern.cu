@@ -4,10 +4,9 @@
 // with an optional chain of FMAs per piece standing in for the math. Compared with cudaMemcpy (read +
 // write) and a plain coalesced read. Standalone, for the GPU machine (BENCHMARKS.md, session 12):
 //   nvcc -arch=sm_90 -O3 -std=c++17 read_pattern.cu -o read_pattern && ./read_pattern
-#include <cstdio>
 #include <cstdint>
-#include <cuda_runtime.h>
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
+
+#include "microbench.cuh"
 
 __device__ __forceinline__ void cp16(void* s, const void* g) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"((uint32_t)__cvta_generic_to_shared(s)), "l"(g));
@@ -73,16 +72,12 @@ int main() {
     uint8_t *w, *sc, *dst; uint32_t* out;
     CK(cudaMalloc(&w, 2 * half)); CK(cudaMalloc(&sc, 2 * shalf)); CK(cudaMalloc(&dst, 2 * half)); CK(cudaMalloc(&out, 4));
     CK(cudaMemset(w, 1, 2 * half)); CK(cudaMemset(sc, 1, 2 * shalf));
-    cudaEvent_t a, b; CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
     const int smem = 100 * 1024;
     CK(cudaFuncSetAttribute(stream_read<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     CK(cudaFuncSetAttribute(stream_read<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     auto time = [&](const char* name, double bytes, auto f) {
-        for (int i = 0; i < 3; ++i) f();
-        CK(cudaEventRecord(a)); const int reps = 10; for (int i = 0; i < reps; ++i) f(); CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b)); CK(cudaGetLastError());
-        float ms; CK(cudaEventElapsedTime(&ms, a, b));
-        printf("%-40s %8.1f us  %7.0f GB/s\n", name, ms * 1000 / reps, bytes * reps / (ms * 1e-3) / 1e9);
+        const float ms = time_ms(f);
+        printf("%-40s %8.1f us  %7.0f GB/s\n", name, ms * 1000, bytes / (ms * 1e-3) / 1e9);
     };
     time("memcpy d2d 2 GiB (read+write)", 4.0 * half, [&] { CK(cudaMemcpyAsync(dst, w, 2 * half, cudaMemcpyDeviceToDevice)); });
     time("plain read 2 GiB", 2.0 * half, [&] { plain_read<<<132 * 8, 256>>>((const uint4*)w, 2 * half / 16, out); });
