@@ -104,24 +104,29 @@ __device__ __forceinline__ int load_acquire(const int* p) {
 
 // Routing of one token per CTA. Each expert's slot is its rank: the number of experts that beat it
 // (larger score + bias, then the smaller id), which gives the slots of k sequential arg-max rounds in one
-// parallel pass. Keys are compared RANK_UNROLL at a time so that their shared-memory loads overlap, and a
-// warp stops once each of its experts is known to be out of the top k.
+// parallel pass. Ranked against all E experts, that pass took 14.6 µs for Kimi-K2's E 384 on the H200
+// (one SM, E^2 float64 comparisons). Ranked in two stages instead: an expert first ranks itself among its
+// warp's 32 experts, and only those below k there (the candidates, k per warp) rank among the
+// candidates. That is exact: whoever beats a chosen expert (rank < k) is beaten by fewer than k experts,
+// so is a candidate, and a candidate that is not chosen is beaten by all k chosen ones, which are
+// candidates, so its candidate rank is k or more as well.
 constexpr int RANK_UNROLL = 8;
 
 __device__ __forceinline__ bool beats(double key_a, int a, double key_b, int b) {
     return key_a > key_b || (key_a == key_b && a < b);
 }
 
-// Slot of expert e (key `mine`) among E keys, or any value >= k when it is not chosen.
-__device__ __forceinline__ int expert_rank(const double* key, int E, int k, int e, double mine, bool active) {
+// How many of the n experts (key[j], id(j)) beat (mine, e); keys compared RANK_UNROLL at a time so that
+// their shared-memory loads overlap.
+template <class Id>
+__device__ __forceinline__ int count_beaters(const double* key, Id id, int n, double mine, int e) {
     int rank = 0;
-    for (int j0 = 0; j0 < E; j0 += RANK_UNROLL) {
+    for (int j0 = 0; j0 < n; j0 += RANK_UNROLL) {
         double kj[RANK_UNROLL];
 #pragma unroll
-        for (int u = 0; u < RANK_UNROLL; ++u) kj[u] = j0 + u < E ? key[j0 + u] : -INFINITY;
+        for (int u = 0; u < RANK_UNROLL; ++u) kj[u] = j0 + u < n ? key[j0 + u] : -INFINITY;
 #pragma unroll
-        for (int u = 0; u < RANK_UNROLL; ++u) rank += j0 + u < E && beats(kj[u], j0 + u, mine, e) ? 1 : 0;
-        if (__all_sync(0xffffffffu, !active || rank >= k)) break;
+        for (int u = 0; u < RANK_UNROLL; ++u) rank += j0 + u < n && beats(kj[u], id(j0 + u), mine, e) ? 1 : 0;
     }
     return rank;
 }
@@ -131,6 +136,10 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     moe_route(const float* __restrict__ logits, const float* __restrict__ bias, double scaling, int E, int k,
               int* __restrict__ topk_ids, float* __restrict__ topk_weights, int* __restrict__ status) {
     __shared__ double key[MAX_EXPERTS];
+    // Candidates (see above): warp w's in slots w * k .. w * k + k - 1, by their rank in the warp.
+    __shared__ double cand_key[MAX_EXPERTS / 32 * MAX_TOP_K];
+    __shared__ double cand_score[MAX_EXPERTS / 32 * MAX_TOP_K];
+    __shared__ int cand_id[MAX_EXPERTS / 32 * MAX_TOP_K];
     __shared__ double chosen[MAX_TOP_K];
     // Launched after a memset, without the attribute; the alignment may start at once and wait.
     pdl_launch_dependents();
@@ -153,10 +162,27 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     const double mine = score + (double)b;
     if (active) key[e] = mine;
     __syncthreads();
-    const int rank = expert_rank(key, E, k, e, mine, active);
-    if (active && rank < k) {
-        ids[rank] = e;
-        chosen[rank] = score;
+    const int w0 = e & ~31, in_warp = min(32, E - w0);
+    if (active) {
+        const int warp_rank = count_beaters(key + w0, [&](int j) { return w0 + j; }, in_warp, mine, e);
+        if (warp_rank < k) {
+            // Slots are dense: warps before the last are full, and an expert's rank in its warp is unique.
+            const int slot = (w0 / 32) * k + warp_rank;
+            cand_key[slot] = mine;
+            cand_score[slot] = score;
+            cand_id[slot] = e;
+        }
+    }
+    __syncthreads();
+    const int candidates = (E / 32) * k + min(k, E % 32);
+    if (e < candidates) {
+        const double cm = cand_key[e];
+        const int ce = cand_id[e];
+        const int rank = count_beaters(cand_key, [&](int j) { return cand_id[j]; }, candidates, cm, ce);
+        if (rank < k) {
+            ids[rank] = ce;
+            chosen[rank] = cand_score[e];
+        }
     }
     __syncthreads();
     // Renormalized in slot order, as the reference sums them.

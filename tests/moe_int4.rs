@@ -219,6 +219,25 @@ mod gpu {
         }
     }
 
+    /// The routing kernel ranks each expert among its warp's 32 first and only the warps' top k against
+    /// each other (kernels/moe_int4.cu): at warp borders, up to 1024 experts, and with exact ties between
+    /// experts of different warps, it must choose and weigh as the reference does.
+    #[test]
+    fn gpu_routing_matches_cpu_across_warps_and_ties() {
+        let Some(gpu) = gpu() else { return };
+        let mut next = xorshift(41);
+        for e in [1usize, 31, 32, 33, 63, 64, 65, 100, 256, 384, 1000, 1024] {
+            for k in [1usize, 2, 8, 31, 32].into_iter().filter(|&k| k <= e) {
+                // Few distinct values, so that many experts tie exactly, within warps and across them.
+                let logits: Vec<f32> = (0..3 * e).map(|_| [-2.0f32, 0.0, 0.5, 3.0][(next() % 4) as usize]).collect();
+                let bias: Vec<f32> = (0..e).map(|_| [0.0f32, 0.01][(next() % 2) as usize]).collect();
+                let want = route(&logits, &bias, e, k, 2.827).unwrap();
+                let got = gpu.moe_route(&logits, &bias, e, k, 2.827).unwrap();
+                assert_eq!(got, want, "routing of 3 tokens, E {e}, k {k}");
+            }
+        }
+    }
+
     /// The plan lists exactly the experts that received a pair, in increasing id.
     #[test]
     fn gpu_plan_lists_the_active_experts() {
