@@ -107,9 +107,9 @@ __device__ __forceinline__ int load_acquire(const int* p) {
 // parallel pass. Ranked against all E experts, that pass took 14.6 µs for Kimi-K2's E 384 on the H200
 // (one SM, E^2 float64 comparisons); ranked in two stages, 5.9 µs, and the one-token MoE step (routing,
 // alignment, experts) 12% less. An expert first ranks itself among its warp's 32 experts, and only those
-// below k there (the candidates, k per warp) rank among the candidates. That is exact: whoever beats a chosen expert (rank < k) is beaten by fewer than k experts,
-// so is a candidate, and a candidate that is not chosen is beaten by all k chosen ones, which are
-// candidates, so its candidate rank is k or more as well.
+// below k there (the candidates, k per warp) rank among the candidates. That is exact: whoever beats a
+// chosen expert (rank < k) is beaten by fewer than k experts, so is a candidate, and a candidate that is
+// not chosen is beaten by all k chosen ones, which are candidates, so its candidate rank is k or more.
 constexpr int RANK_UNROLL = 8;
 
 __device__ __forceinline__ bool beats(double key_a, int a, double key_b, int b) {

@@ -20,7 +20,8 @@ use crate::error::{check_len, Error, Result};
 
 /// The most experts the routing kernel handles (one CTA; Kimi-K2 has 384, DeepSeek-V3 256).
 pub const MAX_EXPERTS: usize = 1024;
-/// The largest top-k the routing kernel handles (one warp per token).
+/// The largest top-k the routing kernel handles: it keeps at most the k best experts of each warp of
+/// 32 as candidates, so k may not exceed a warp.
 pub const MAX_TOP_K: usize = 32;
 /// The most tokens a plan holds (the combine launches one row of blocks per token).
 pub const MAX_TOKENS: usize = 65_535;
