@@ -18,6 +18,7 @@
 //   nvcc -arch=sm_90 -O3 -std=c++17 moe_stream.cu -o moe_stream && ./moe_stream
 #include <cstdint>
 
+#include "../../kernels/common.cuh"  // the copy wrappers every kernel uses
 #include "microbench.cuh"
 
 constexpr int H = 7168, I = 2048, ROWS = 2 * I, GROUPS = H / 32, CHUNKS = GROUPS / 4;
@@ -27,25 +28,23 @@ constexpr size_t EXPERT_PIECES = (size_t)ROWS * ROW_PIECES, EXPERT_SCALES = (siz
 constexpr int SMEM = 56 * 1024;  // the real kernel's 14 KB a warp: 4 blocks an SM
 enum Pattern { NATIVE, NATIVE_SLICES, NATIVE_PF128, NATIVE_PF256, NATIVE_KS8, TILED };
 
-__device__ __forceinline__ uint32_t sa(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void cp16(void* s, const void* g) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa(s)), "l"(g));
-}
+using kdt::cp_async16;  // the kernels' copy wrappers (kernels/common.cuh)
+using kdt::cp_async_commit;
+using kdt::cp_async_wait;
+
+// A weight piece's copy with the pattern's L2 prefetch size (none, 128 or 256 bytes).
 template <int PF>
-__device__ __forceinline__ void cp16_pf(void* s, const void* g) {
-    if (PF == 128) asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(sa(s)), "l"(g));
-    else if (PF == 256) asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(sa(s)), "l"(g));
-    else cp16(s, g);
+__device__ __forceinline__ void copy_piece(void* s, const void* g) {
+    if (PF == 128) kdt::cp_async16_line(s, g, 16);
+    else if (PF == 256)
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(kdt::smem_addr(s)), "l"(g));
+    else cp_async16(s, g, 16);
 }
+// A row's 8 bytes of scales, with the 128-byte prefetch size when the pattern asks for one.
 template <int PF>
-__device__ __forceinline__ void cp8(void* s, const void* g) {
-    if (PF) asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 8;\n" ::"r"(sa(s)), "l"(g));
-    else asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(sa(s)), "l"(g));
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N>
-__device__ __forceinline__ void wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+__device__ __forceinline__ void copy_scales(void* s, const void* g) {
+    if (PF) kdt::cp_async8_line(s, g);
+    else kdt::cp_async8(s, g);
 }
 
 // grid (I / 16 row groups, experts), 32 * KS threads. The checksum is stored only on an unlikely value, so the
@@ -68,29 +67,29 @@ __global__ void __launch_bounds__(32 * KS) narrow_gate_up(const uint4* w, const 
                 uint8_t* dst = ring + st * 2560 + m * 1152;
                 if (P == TILED) {
                     const uint4* img = ew + ((size_t)(row0 / 16) * CHUNKS + q) * 64;
-                    cp16(dst + 16 * lane, img + lane);
-                    cp16(dst + 512 + 16 * lane, img + 32 + lane);
-                    if (lane < 8)
-                        cp16(dst + 1024 + 16 * lane,
-                             reinterpret_cast<const uint4*>(es) + ((size_t)(row0 / 16) * CHUNKS + q) * 8 + lane);
+                    cp_async16(dst + 16 * lane, img + lane, 16);
+                    cp_async16(dst + 512 + 16 * lane, img + 32 + lane, 16);
+                    const uint4* scales = reinterpret_cast<const uint4*>(es) + ((size_t)(row0 / 16) * CHUNKS + q) * 8;
+                    if (lane < 8) cp_async16(dst + 1024 + 16 * lane, scales + lane, 16);
                 } else {
                     const uint4* piece = ew + (size_t)(row0 + r) * ROW_PIECES + 4 * q + j;
-                    cp16_pf<PF>(dst + 64 * r + 16 * j, piece);
-                    cp16_pf<PF>(dst + 64 * (r + 8) + 16 * j, piece + 8 * ROW_PIECES);
-                    if (lane < 16) cp8<PF>(dst + 1024 + 8 * lane, es + (size_t)(row0 + lane) * GROUPS + 4 * q);
+                    copy_piece<PF>(dst + 64 * r + 16 * j, piece);
+                    copy_piece<PF>(dst + 64 * (r + 8) + 16 * j, piece + 8 * ROW_PIECES);
+                    if (lane < 16) copy_scales<PF>(dst + 1024 + 8 * lane, es + (size_t)(row0 + lane) * GROUPS + 4 * q);
                 }
             }
             if (r == 0) {
-                for (int g = 0; g < 4; ++g) cp16(ring + st * 2560 + 2304 + 64 * g + 16 * j, x + (4 * q + g) * 4 + j);
+                for (int g = 0; g < 4; ++g)
+                    cp_async16(ring + st * 2560 + 2304 + 64 * g + 16 * j, x + (4 * q + g) * 4 + j, 16);
             }
         }
-        commit();
+        cp_async_commit();
     };
     for (int s = 0; s < STAGES; ++s) issue(s, s);
     uint32_t acc = 0;
     float f0 = lane, f1 = 1.0f, f2 = 2.0f, f3 = 3.0f;
     for (int i = 0; i < PER_WARP; ++i) {
-        wait<STAGES - 1>();
+        cp_async_wait<STAGES - 1>();
         __syncwarp();
         const int st = i % STAGES;
         const uint4 a = *reinterpret_cast<const uint4*>(ring + st * 2560 + 16 * lane);
@@ -105,7 +104,7 @@ __global__ void __launch_bounds__(32 * KS) narrow_gate_up(const uint4* w, const 
         __syncwarp();
         issue(i + STAGES, st);
     }
-    wait<0>();
+    cp_async_wait<0>();
     if (acc == 0x12345678u || f0 + f1 + f2 + f3 == 0.0f) out[0] = acc;
 }
 
@@ -128,7 +127,8 @@ int main() {
         const float ms = time_ms(f);
         printf("%-28s %9.1f us %7.0f GB/s\n", name, ms * 1000, bytes / (ms * 1e-3) / 1e9);
     };
-    time("memcpy d2d (read+write)", 2.0 * wbytes, [&] { CK(cudaMemcpyAsync(dst, w, wbytes, cudaMemcpyDeviceToDevice)); });
+    time("memcpy d2d (read+write)", 2.0 * wbytes,
+         [&] { CK(cudaMemcpyAsync(dst, w, wbytes, cudaMemcpyDeviceToDevice)); });
     const dim3 grid(I / 16, experts);
     auto run = [&](const char* name, auto kernel, int threads = 128) {
         const int smem = SMEM * threads / 128;
