@@ -6,13 +6,12 @@
 //   nvcc -arch=sm_90 -O3 -std=c++17 read_pattern.cu -o read_pattern && ./read_pattern
 #include <cstdint>
 
+#include "../../kernels/common.cuh"  // the copy wrappers every kernel uses
 #include "microbench.cuh"
 
-__device__ __forceinline__ void cp16(void* s, const void* g) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"((uint32_t)__cvta_generic_to_shared(s)), "l"(g));
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N> __device__ __forceinline__ void wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+using kdt::cp_async16;
+using kdt::cp_async_commit;
+using kdt::cp_async_wait;
 
 // The kernels keep a checksum of what they read and store it only on an unlikely value, so that the
 // reads cannot be optimized away and nothing is written.
@@ -40,17 +39,17 @@ __global__ void __launch_bounds__(256, 2) stream_read(const uint8_t* w, const ui
             for (int m = 0; m < 2; ++m) {
                 const uint8_t* src = w + m * half + tile * TILE + (size_t)q * PIECE;
                 uint8_t* dst = ring + (st * 2 + m) * 1152;
-                cp16(dst + lane * 16, src + lane * 16);
-                cp16(dst + 512 + lane * 16, src + 512 + lane * 16);
-                if (lane < 8) cp16(dst + 1024 + lane * 16, sc + m * shalf + (tile * 56 + q) * 128 + lane * 16);
+                cp_async16(dst + lane * 16, src + lane * 16, 16);
+                cp_async16(dst + 512 + lane * 16, src + 512 + lane * 16, 16);
+                if (lane < 8) cp_async16(dst + 1024 + lane * 16, sc + m * shalf + (tile * 56 + q) * 128 + lane * 16, 16);
             }
         }
-        commit();
+        cp_async_commit();
     };
     for (int s = 0; s < STAGES; ++s) issue(s, s);
     uint32_t acc = 0; float f0 = lane, f1 = 1.0f, f2 = 2.0f, f3 = 3.0f;
     for (int p = 0; p < PER_WARP; ++p) {
-        wait<STAGES - 1>(); __syncwarp();
+        cp_async_wait<STAGES - 1>(); __syncwarp();
         const int st = p % STAGES;
         for (int m = 0; m < 2; ++m) {
             uint4 v = *reinterpret_cast<uint4*>(ring + (st * 2 + m) * 1152 + lane * 16);
@@ -61,7 +60,7 @@ __global__ void __launch_bounds__(256, 2) stream_read(const uint8_t* w, const ui
         __syncwarp();
         issue(p + STAGES, st);
     }
-    wait<0>();
+    cp_async_wait<0>();
     if (acc == 0x12345678 || f0 + f1 + f2 + f3 == 0.0f) out[0] = acc;
 }
 
