@@ -76,9 +76,12 @@ constexpr int ROW_KEYS = BK / ROW_THREADS;  // keys per softmax thread
 // mma M tiles (16 query rows each) per CTA, 8 warps per M tile. Two (512 threads, 32 rows) share
 // each staged key between twice the mmas, but at the 128 registers that 512 threads allow a CTA
 // holds a whole SM, and on the H200 that was no faster for H 64 decodes (1-4%) and 7-14% slower for
-// tree prefixes than two one-tile CTAs per SM (sessions before the swizzled rows). The kernel now
-// takes one: load_subtile maps 8 threads to a key row and accumulate_pv swizzles from a warp's first
-// dim, both static_asserted (src/cuda/mla.rs mirrors the block size, tile rows and shared memory).
+// tree prefixes than two one-tile CTAs per SM (sessions before the swizzled rows). Two tiles in 8 warps
+// (each warp two m-tiles in P.V and four n-tiles in S: 225 registers, 97664 bytes, one CTA an SM; branch
+// wip/mla-wide) read a quarter fewer shared-memory wavefronts per row, but with 8 warps an SM were 3-5%
+// slower at H 64 and 8-38% slower on tree prefixes (session 21). The kernel takes one: load_subtile maps
+// 8 threads to a key row and accumulate_pv swizzles from a warp's first dim, both static_asserted
+// (src/cuda/mla.rs mirrors the block size, tile rows and shared memory).
 constexpr int MT = 1;
 constexpr int BM = 16 * MT;                    // query rows per CTA
 constexpr int THREADS = 256 * MT;
