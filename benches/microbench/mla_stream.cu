@@ -31,8 +31,8 @@ __device__ __forceinline__ void spin(long long cycles) {
     while (clock64() - t0 < cycles) {}
 }
 
-// grid (chunks per request x sharers, requests): CTA x reads chunk x / sharers; the checksum is stored only on an unlikely value, so the reads
-// stay and nothing is written.
+// grid (chunks per request x sharers, requests): CTA x reads chunk x / sharers; the checksum is stored
+// only on an unlikely value, so the reads stay and nothing is written.
 template <int STAGES, int BK>
 __global__ void __launch_bounds__(THREADS) stream_chunks(const uint8_t* cache, const int* table, int pages_per_req,
                                                          int sharers, int delay, uint32_t* out) {
@@ -94,7 +94,8 @@ constexpr size_t KERNEL_SMEM = 86720;
 void private_chunks(const uint8_t* cache, const int* table, int pages_per_req, double copy_gbs, uint32_t* out) {
     const Shape shapes[] = {{1, 65536 / 4}, {8, 16384}, {32, 4096}, {64, 1024}, {64, 16384}};
     const int delays[] = {0, 1500, 3000, 4500};
-    printf("| ring | CTAs/SM | bs x rows | CTAs | delay (cycles) | GB/s | %% of copy |\n|---|---:|---|---:|---:|---:|---:|\n");
+    printf("| ring | CTAs/SM | bs x rows | CTAs | delay (cycles) | GB/s | %% of copy |\n"
+           "|---|---:|---|---:|---:|---:|---:|\n");
     for (const Shape& s : shapes) {
         // bs 1 x 65536 is modelled as 4 requests of 16384 rows: the same 256 chunks in one launch.
         const int reqs = s.reqs == 1 ? 4 : s.reqs, chunks = s.len / SPLIT;
@@ -106,10 +107,14 @@ void private_chunks(const uint8_t* cache, const int* table, int pages_per_req, d
                 printf("| %s | %d | %d x %d | %d | %d | %.0f | %.0f%% |\n", ring, occ, s.reqs,
                        s.reqs == 1 ? 65536 : s.len, reqs * chunks, delay, gbs, 100 * gbs / copy_gbs);
             };
-            row("2 x 32 rows", time_chunks<2, 32>(cache, table, reqs, chunks, 1, pages_per_req, delay, KERNEL_SMEM, out, &occ));
-            row("2 x 32 rows, unpadded", time_chunks<2, 32>(cache, table, reqs, chunks, 1, pages_per_req, delay, 0, out, &occ));
+            // One CTA per chunk (sharers 1).
+            row("2 x 32 rows",
+                time_chunks<2, 32>(cache, table, reqs, chunks, 1, pages_per_req, delay, KERNEL_SMEM, out, &occ));
+            row("2 x 32 rows, unpadded",
+                time_chunks<2, 32>(cache, table, reqs, chunks, 1, pages_per_req, delay, 0, out, &occ));
             row("3 x 32 rows", time_chunks<3, 32>(cache, table, reqs, chunks, 1, pages_per_req, delay, 0, out, &occ));
-            row("4 x 16 rows", time_chunks<4, 16>(cache, table, reqs, chunks, 1, pages_per_req, delay, KERNEL_SMEM, out, &occ));
+            row("4 x 16 rows",
+                time_chunks<4, 16>(cache, table, reqs, chunks, 1, pages_per_req, delay, KERNEL_SMEM, out, &occ));
         }
     }
 }
