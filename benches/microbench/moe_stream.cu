@@ -14,7 +14,10 @@
 //                  per round of the block instead of 256
 //   tiled:         one 1152-byte chunk image per tile (TiledLayout), interleaved K slices
 // (All without the L2 evict-first hint that TiledLayout's copies carry.)
-// GB/s counts packed weights and scales. Standalone, for the GPU machine (BENCHMARKS.md, session 20):
+// Each pattern runs over 128 experts (16384 blocks: the start and end of the grid weigh little) and, for
+// tiled and native-pf128, over 8 (1024 blocks in 1.94 waves of 528, as a one-token forward's gate/up GEMM;
+// each launch takes the next 8 of the 128, so that none finds its experts in L2).
+// GB/s counts packed weights and scales. Standalone, for the GPU machine (BENCHMARKS.md, sessions 20-21):
 //   nvcc -arch=sm_90 -O3 -std=c++17 moe_stream.cu -o moe_stream && ./moe_stream
 #include <cstdint>
 
@@ -25,6 +28,7 @@ constexpr int H = 7168, I = 2048, ROWS = 2 * I, GROUPS = H / 32, CHUNKS = GROUPS
 constexpr int STAGES = 3;
 constexpr size_t ROW_PIECES = H / 32;  // 16-byte pieces of packed weights per row (one per group)
 constexpr size_t EXPERT_PIECES = (size_t)ROWS * ROW_PIECES, EXPERT_SCALES = (size_t)ROWS * GROUPS;
+constexpr int EXPERTS = 128;     // 2.1 GB: far past L2
 constexpr int SMEM = 56 * 1024;  // the real kernel's 14 KB a warp: 4 blocks an SM
 enum Pattern { NATIVE, NATIVE_SLICES, NATIVE_PF128, NATIVE_PF256, NATIVE_KS8, TILED };
 
@@ -109,12 +113,11 @@ __global__ void __launch_bounds__(32 * KS) narrow_gate_up(const uint4* w, const 
 }
 
 int main() {
-    const int experts = 128;  // 2.1 GB: far past L2
     uint4 *w, *x;
     uint16_t* sc;
     uint8_t* dst;
     uint32_t* out;
-    const size_t wbytes = experts * EXPERT_PIECES * 16, sbytes = experts * EXPERT_SCALES * 2;
+    const size_t wbytes = EXPERTS * EXPERT_PIECES * 16, sbytes = EXPERTS * EXPERT_SCALES * 2;
     CK(cudaMalloc(&w, wbytes));
     CK(cudaMalloc(&sc, sbytes));
     CK(cudaMalloc(&x, H * 2));
@@ -125,18 +128,24 @@ int main() {
     CK(cudaMemset(x, 1, H * 2));
     auto time = [&](const char* name, double bytes, auto f) {
         const float ms = time_ms(f);
-        printf("%-28s %9.1f us %7.0f GB/s\n", name, ms * 1000, bytes / (ms * 1e-3) / 1e9);
+        printf("%-34s %9.1f us %7.0f GB/s\n", name, ms * 1000, bytes / (ms * 1e-3) / 1e9);
     };
     time("memcpy d2d (read+write)", 2.0 * wbytes,
          [&] { CK(cudaMemcpyAsync(dst, w, wbytes, cudaMemcpyDeviceToDevice)); });
-    const dim3 grid(I / 16, experts);
-    auto run = [&](const char* name, auto kernel, int threads = 128) {
+    // `n` experts a launch, from expert `first` on, the next n at every launch.
+    auto run = [&](const char* name, auto kernel, int threads = 128, int n = EXPERTS) {
         const int smem = SMEM * threads / 128;
         CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        const dim3 grid(I / 16, n);
         for (int work : {0, 32, 64}) {
             char label[64];
-            snprintf(label, sizeof label, "%s work %d", name, work);
-            time(label, (double)(wbytes + sbytes), [&] { kernel<<<grid, threads, smem>>>(w, sc, x, work, out); });
+            if (n == EXPERTS) snprintf(label, sizeof label, "%s work %d", name, work);
+            else snprintf(label, sizeof label, "%s, %d experts work %d", name, n, work);
+            int first = 0;
+            time(label, (double)(wbytes + sbytes) * n / EXPERTS, [&] {
+                kernel<<<grid, threads, smem>>>(w + first * EXPERT_PIECES, sc + first * EXPERT_SCALES, x, work, out);
+                first = (first + n) % EXPERTS;
+            });
         }
     };
     run("native", narrow_gate_up<NATIVE>);
@@ -145,5 +154,7 @@ int main() {
     run("native-pf256", narrow_gate_up<NATIVE_PF256>);
     run("native-ks8", narrow_gate_up<NATIVE_KS8>, 256);
     run("tiled", narrow_gate_up<TILED>);
+    run("native-pf128", narrow_gate_up<NATIVE_PF128>, 128, 8);
+    run("tiled", narrow_gate_up<TILED>, 128, 8);
     return 0;
 }
