@@ -17,11 +17,14 @@
 // Each pattern runs over 128 experts (16384 blocks: the start and end of the grid weigh little) and, for
 // tiled and native-pf128, over 8 (1024 blocks in 1.94 waves of 528, as a one-token forward's gate/up GEMM;
 // each launch takes the next 8 of the 128, so that none finds its experts in L2).
+// Last, the real one-token gate/up kernels (kernels/moe_int4.cu moe_gate_up_direct_*, launched plainly,
+// without the down GEMM after them) on the same 8-expert grid and bytes, so that the difference from the
+// copies-only rows is what their dequantization, MMAs and epilogue cost there.
 // GB/s counts packed weights and scales. Standalone, for the GPU machine (BENCHMARKS.md, sessions 20-21):
 //   nvcc -arch=sm_90 -O3 -std=c++17 moe_stream.cu -o moe_stream && ./moe_stream
 #include <cstdint>
 
-#include "../../kernels/common.cuh"  // the copy wrappers every kernel uses
+#include "../../kernels/moe_int4.cu"  // the real one-token gate/up kernels, and the copy wrappers
 #include "microbench.cuh"
 
 constexpr int H = 7168, I = 2048, ROWS = 2 * I, GROUPS = H / 32, CHUNKS = GROUPS / 4;
@@ -112,6 +115,40 @@ __global__ void __launch_bounds__(32 * KS) narrow_gate_up(const uint4* w, const 
     if (acc == 0x12345678u || f0 + f1 + f2 + f3 == 0.0f) out[0] = acc;
 }
 
+// The kernels' one-token gate/up GEMMs over 8 experts a launch (the next 8 at every launch), reading the
+// same buffers as their own layout: any nibbles and scales do for timing.
+template <class Time>
+void real_gate_up(const uint4* w, const uint16_t* sc, const uint4* x, int experts, Time time) {
+    using namespace kdt::moe;
+    constexpr int SLOTS = 8;
+    int* ids;
+    __nv_bfloat16* h;
+    int* handoff;  // counted up by the blocks and never reset: no down GEMM waits on it here
+    CK(cudaMalloc(&ids, experts * sizeof(int)));
+    CK(cudaMalloc(&h, SLOTS * I * sizeof(__nv_bfloat16)));
+    CK(cudaMalloc(&handoff, 2 * MAX_EXPERTS * sizeof(int)));
+    CK(cudaMemset(handoff, 0, 2 * MAX_EXPERTS * sizeof(int)));
+    int host_ids[EXPERTS];
+    for (int e = 0; e < experts; ++e) host_ids[e] = e;
+    CK(cudaMemcpy(ids, host_ids, experts * sizeof(int), cudaMemcpyHostToDevice));
+    const int smem = (int)BlockShape<TiledLayout, 2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::SHARED_BYTES;
+    static_assert(sizeof(StageTile) == sizeof(NativeStage), "both layouts stage the same bytes");
+    const double bytes = (double)SLOTS * (EXPERT_PIECES * 16 + EXPERT_SCALES * 2);
+    auto run = [&](const char* name, auto kernel) {
+        CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        int first = 0;
+        time(name, bytes, [&] {
+            kernel<<<dim3(I / 16, SLOTS), 128, smem>>>(reinterpret_cast<const __nv_bfloat16*>(x),
+                                                       reinterpret_cast<const uint32_t*>(w),
+                                                       reinterpret_cast<const __nv_bfloat16*>(sc), H, I, ids + first,
+                                                       experts, h, handoff);
+            first = (first + SLOTS) % experts;
+        });
+    };
+    run("real gate/up, native, 8 experts", moe_gate_up_direct_native);
+    run("real gate/up, tiled, 8 experts", moe_gate_up_direct_tiled);
+}
+
 int main() {
     uint4 *w, *x;
     uint16_t* sc;
@@ -156,5 +193,6 @@ int main() {
     run("tiled", narrow_gate_up<TILED>);
     run("native-pf128", narrow_gate_up<NATIVE_PF128>, 128, 8);
     run("tiled", narrow_gate_up<TILED>, 128, 8);
+    real_gate_up(w, sc, x, EXPERTS, time);
     return 0;
 }
