@@ -136,19 +136,19 @@ __global__ void __launch_bounds__(128, 4)
 // The kernels' one-token gate/up GEMMs, and their chunk loops alone, over 8 experts a launch (the next 8
 // at every launch), reading the same buffers as their own layout: any nibbles and scales do for timing.
 template <class Time>
-void real_gate_up(const uint4* w, const uint16_t* sc, const uint4* x, int experts, Time time) {
+void real_gate_up(const uint4* w, const uint16_t* sc, const uint4* x, Time time) {
     using namespace kdt::moe;
     constexpr int SLOTS = 8;
     int* ids;
     __nv_bfloat16* h;
     int* handoff;  // counted up by the blocks and never reset: no down GEMM waits on it here
-    CK(cudaMalloc(&ids, experts * sizeof(int)));
+    CK(cudaMalloc(&ids, EXPERTS * sizeof(int)));
     CK(cudaMalloc(&h, SLOTS * I * sizeof(__nv_bfloat16)));
     CK(cudaMalloc(&handoff, 2 * MAX_EXPERTS * sizeof(int)));
     CK(cudaMemset(handoff, 0, 2 * MAX_EXPERTS * sizeof(int)));
     int host_ids[EXPERTS];
-    for (int e = 0; e < experts; ++e) host_ids[e] = e;
-    CK(cudaMemcpy(ids, host_ids, experts * sizeof(int), cudaMemcpyHostToDevice));
+    for (int e = 0; e < EXPERTS; ++e) host_ids[e] = e;
+    CK(cudaMemcpy(ids, host_ids, sizeof host_ids, cudaMemcpyHostToDevice));
     const int smem = (int)BlockShape<TiledLayout, 2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::SHARED_BYTES;
     static_assert(sizeof(StageTile) == sizeof(NativeStage), "both layouts stage the same bytes");
     const double bytes = (double)SLOTS * (EXPERT_PIECES * 16 + EXPERT_SCALES * 2);
@@ -159,8 +159,8 @@ void real_gate_up(const uint4* w, const uint16_t* sc, const uint4* x, int expert
             kernel<<<dim3(I / 16, SLOTS), 128, smem>>>(reinterpret_cast<const __nv_bfloat16*>(x),
                                                        reinterpret_cast<const uint32_t*>(w),
                                                        reinterpret_cast<const __nv_bfloat16*>(sc), H, I, ids + first,
-                                                       experts, h, handoff);
-            first = (first + SLOTS) % experts;
+                                                       EXPERTS, h, handoff);
+            first = (first + SLOTS) % EXPERTS;
         });
     };
     run("real gate/up, native, 8 experts", moe_gate_up_direct_native);
@@ -213,6 +213,6 @@ int main() {
     run("tiled", narrow_gate_up<TILED>);
     run("native-pf128", narrow_gate_up<NATIVE_PF128>, 128, 8);
     run("tiled", narrow_gate_up<TILED>, 128, 8);
-    real_gate_up(w, sc, x, EXPERTS, time);
+    real_gate_up(w, sc, x, time);
     return 0;
 }
