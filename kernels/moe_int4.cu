@@ -11,7 +11,8 @@
 // number of warps (interleaved chunks) whose partials are summed in order, so every output element is
 // computed by the same operations whatever the batch: results are deterministic and batch invariant. The
 // same MMA path serves one token or many (no separate GEMV path): at a few tokens the kernels are bound
-// by weight bytes, not by the MMA lanes left idle.
+// by weight bytes, not by the MMA lanes left idle. A one-token routing's GEMMs leave out only work on
+// columns that are never stored (group_mma's ONE), so they too compute every stored element the same way.
 #include "common.cuh"
 
 namespace kdt {
@@ -564,6 +565,7 @@ template <class Layout, int MT, int NT, int STAGES, bool ONE, class WaitInputs>
 __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, const uint4* const (&act)[NT],
                           int tokens, int first, int count, int step, typename Layout::Stage* ring,
                           ActStage* acts, WaitInputs wait_inputs) {
+    static_assert(!ONE || NT == 1, "one token fills one n8 tile");
     const int groups = args.cols / GROUP;
     const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
 #pragma unroll
@@ -802,11 +804,11 @@ __device__ __forceinline__ void wait_for_expert(int* handoff, int gate_up_blocks
 }
 
 // GEMM 2: y[pair, r] = h[pos] · down_r; a row group covers 32 rows (two m16 tiles).
-// Grid: (ceil(H / (32 RGROUPS)), active experts).
+// Grid: (ceil(H / (32 RGROUPS)), active experts). ONE: a direct routing's block (ex.begin is its pair).
 template <class Layout, int NT, int KSPLIT, int STAGES, bool ONE>
 __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,
                      const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int* __restrict__ sorted_pairs,
-                     bool direct, const ExpertSlice& ex, float* __restrict__ y, int* __restrict__ handoff) {
+                     const ExpertSlice& ex, float* __restrict__ y, int* __restrict__ handoff) {
     typedef BlockShape<Layout, 2, NT, KSPLIT, STAGES> Shape;
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, rg = (threadIdx.x >> 5) / KSPLIT;
@@ -836,7 +838,7 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
             if (t >= ex.count) continue;
             const int row = (blockIdx.x * Shape::RGROUPS + g) * 32 + m * 16 + frag_row(l, i);
             if (row >= H) continue;
-            const int pair = direct ? ex.begin + t : sorted_pairs[ex.begin + t];
+            const int pair = ONE ? ex.begin + t : sorted_pairs[ex.begin + t];
             y[(size_t)pair * H + row] = Shape::sum(smem, g, e);
         }
         __syncthreads();
@@ -896,10 +898,11 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
     // the wait, and warp_gemm issues the block's first weight stages while the gate/up GEMM finishes.
     ExpertSlice ex;
     if (block_expert(routing, ex) && (ex.count > 8) == (NT > 1)) {
+        // A direct (one-token) routing gives every block one token: the narrow kernel's ONE path.
         if (NT == 1 && routing.direct)
-            down<Layout, 1, DOWN_KSPLIT, STAGES, true>(h, w2, w2_scale, H, I, pairs, true, ex, y, handoff);
+            down<Layout, NT, DOWN_KSPLIT, STAGES, NT == 1>(h, w2, w2_scale, H, I, pairs, ex, y, handoff);
         else
-            down<Layout, NT, DOWN_KSPLIT, STAGES, false>(h, w2, w2_scale, H, I, pairs, routing.direct, ex, y, handoff);
+            down<Layout, NT, DOWN_KSPLIT, STAGES, false>(h, w2, w2_scale, H, I, pairs, ex, y, handoff);
     }
     pdl_wait();  // rule W on every path (a wide block has waited in warp_gemm already; a narrow one only spun)
 }

@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(128, 4)
     const int e = ids[blockIdx.y], j0 = blockIdx.x * 16;
     const GemmArgs<2> args{w13, w13_scale, H, {e * 2 * I + j0, e * 2 * I + I + j0}};
     const uint4* act[1] = {reinterpret_cast<const uint4*>(x) + (threadIdx.x & 3)};
-    Shape::pass(smem, args, act, 1, true, [] {});
+    Shape::template pass<true>(smem, args, act, 1, true, [] {});  // the one-token loop, as the real kernels'
     if (Shape::partials(smem)[threadIdx.x] == 12345.0f) flag[0] = 1;
 }
 
