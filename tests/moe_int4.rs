@@ -336,25 +336,54 @@ mod gpu {
         }
     }
 
-    #[test]
-    fn gpu_is_deterministic_and_batch_invariant() {
-        let Some(gpu) = gpu() else { return };
-        let (t, e, k, h, i) = (128, 16, 4, 256, 128);
-        let w = random_layer(11, e, h, i);
+    /// Runs a batch of `t` random tokens twice (bit-identical) and checks that its tokens (every one of a
+    /// few, four of many) give the same bits alone; returns how many tokens each expert received.
+    fn assert_deterministic_and_batch_invariant(seed: u64, t: usize, e: usize, k: usize) -> Vec<usize> {
+        let gpu = gpu().expect("checked by the caller");
+        let (h, i) = (256, 128);
+        let w = random_layer(seed, e, h, i);
         let dev = DeviceExperts::upload(gpu, &w.experts()).unwrap();
-        let mut next = xorshift(12);
+        let mut next = xorshift(seed + 1);
         let x = random_bf16(&mut next, t * h, 4.0);
         let logits = random_logits(&mut next, t * e);
         let bias = vec![0.0f32; e];
         let routing = gpu.moe_route(&logits, &bias, e, k, 2.827).unwrap();
         let batch = gpu.moe_int4_on(&x, &routing, &dev).unwrap();
         assert_eq!(batch, gpu.moe_int4_on(&x, &routing, &dev).unwrap(), "two runs differ");
-        for tok in [0, 5, 77, 127] {
+        let tokens: Vec<usize> = if t <= 8 { (0..t).collect() } else { vec![0, 5, 77, 127] };
+        for tok in tokens {
             let alone_routing = gpu.moe_route(&logits[tok * e..(tok + 1) * e], &bias, e, k, 2.827).unwrap();
             assert_eq!(alone_routing.topk_ids, routing.topk_ids[tok * k..(tok + 1) * k]);
             let alone = gpu.moe_int4_on(&x[tok * h..(tok + 1) * h], &alone_routing, &dev).unwrap();
             assert_bits("batch invariance", &format!("token {tok}"), &alone, &batch[tok * h..(tok + 1) * h]);
         }
+        let mut per_expert = vec![0; e];
+        for &id in &routing.topk_ids {
+            per_expert[id as usize] += 1;
+        }
+        per_expert
+    }
+
+    /// A token alone (the one-token kernels) against a batch of 128 whose experts all take the wide kernels.
+    #[test]
+    fn gpu_is_deterministic_and_batch_invariant() {
+        if gpu().is_none() {
+            return;
+        }
+        let per_expert = assert_deterministic_and_batch_invariant(11, 128, 16, 4);
+        assert!(per_expert.iter().all(|&n| n > 8), "every expert on the wide kernels: {per_expert:?}");
+    }
+
+    /// A few tokens over many experts: most experts get one token (the narrow kernels' one-token path in
+    /// an aligned routing), some two or more (their many-token path); each token alone gives the same bits.
+    #[test]
+    fn gpu_few_token_batches_are_batch_invariant() {
+        if gpu().is_none() {
+            return;
+        }
+        let per_expert = assert_deterministic_and_batch_invariant(13, 6, 64, 4);
+        assert!(per_expert.contains(&1), "an expert with one token: {per_expert:?}");
+        assert!(per_expert.iter().any(|&n| n > 1), "an expert with several tokens: {per_expert:?}");
     }
 
     #[test]
