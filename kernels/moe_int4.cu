@@ -590,12 +590,8 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     auto stage_acts = [&](int stage) {
         if (ONE) {
             if (r < CHUNK_GROUPS) {
-                if (whole_chunks) {
-                    cp_async16(&acts[stage].x[r][0][c], act_chunk + r * (GROUP / 8), 16);
-                } else {
-                    const bool in = act_group + r < groups;
-                    cp_async16(&acts[stage].x[r][0][c], in ? act_chunk + r * (GROUP / 8) : act[0], in ? 16 : 0);
-                }
+                const bool in = act_group + r < groups;
+                cp_async16(&acts[stage].x[r][0][c], in ? act_chunk + r * (GROUP / 8) : act[0], in ? 16 : 0);
             }
         } else if (r < tokens) {
             if (whole_chunks) {
