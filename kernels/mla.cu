@@ -309,6 +309,8 @@ __device__ __forceinline__ void scores(Smem& s, int stage, const uint32_t (&qa)[
 }
 
 // Stores the S partials that `scores` accumulated to s_part[quarter].
+// HALF: only rows 0..7 of the tile are valid (see run_chunk), so rows g + 8 are left out.
+template <bool HALF>
 __device__ __forceinline__ void store_scores(Smem& s, const float (&acc)[S_NT][2][4], int quarter, int mtile,
                                              int n0, int lane) {
     const int g = 16 * mtile + (lane >> 2);
@@ -317,8 +319,9 @@ __device__ __forceinline__ void store_scores(Smem& s, const float (&acc)[S_NT][2
         const int col = s_col(g, (n0 + nt) * 8 + 2 * (lane & 3));  // the same for row g + 8
         *reinterpret_cast<float2*>(&s.s_part[quarter][g][col]) =
             make_float2(__fadd_rn(acc[nt][0][0], acc[nt][1][0]), __fadd_rn(acc[nt][0][1], acc[nt][1][1]));
-        *reinterpret_cast<float2*>(&s.s_part[quarter][g + 8][col]) =
-            make_float2(__fadd_rn(acc[nt][0][2], acc[nt][1][2]), __fadd_rn(acc[nt][0][3], acc[nt][1][3]));
+        if (!HALF)
+            *reinterpret_cast<float2*>(&s.s_part[quarter][g + 8][col]) =
+                make_float2(__fadd_rn(acc[nt][0][2], acc[nt][1][2]), __fadd_rn(acc[nt][0][3], acc[nt][1][3]));
     }
 }
 
@@ -340,8 +343,12 @@ __device__ __forceinline__ float row_sum(float share) {
 }
 
 // Online softmax over sub-tile `sub`: thread (row, 2 consecutive keys); writes P (hi, lo) and the row's
-// alpha. The max butterfly gives every thread of a row the same max (each step is commutative).
+// alpha. The max butterfly gives every thread of a row the same max (each step is commutative). HALF: the
+// warps of rows 8..15 have nothing to do (those rows' P, alpha and state never reach a stored result).
+template <bool HALF>
 __device__ __forceinline__ void softmax_step(Smem& s, int sub, int nkeys, float scale_log2, RowState& st) {
+    static_assert(MT == 1 && 32 / ROW_THREADS == 2, "HALF: warps 4..7 hold rows 8..15");
+    if (HALF && threadIdx.x >= 8 * ROW_THREADS) return;  // warp-uniform
     const int row = threadIdx.x / ROW_THREADS, k0 = (threadIdx.x % ROW_THREADS) * ROW_KEYS, col = s_col(row, k0);
     float2 part[4];
 #pragma unroll
@@ -372,6 +379,8 @@ __device__ __forceinline__ void softmax_step(Smem& s, int sub, int nkeys, float 
 
 // O = O * alpha + P_hi.V + P_lo.V over the sub-tile's two k-steps of 16 keys (in that order for every
 // element) for every m-tile and this warp's WARP_DIMS output dims: each V fragment feeds 4 * MT mmas.
+// HALF: rows g + 8 are not rescaled (their alpha is not written; they are never stored).
+template <bool HALF>
 __device__ __forceinline__ void accumulate_pv(Smem& s, int stage, float (&o)[MT][PV_NT][4], int warp, int lane) {
     constexpr int KS = BK / 16, PAIRS = PV_NT / 2;
     const int g = lane >> 2;
@@ -395,13 +404,15 @@ __device__ __forceinline__ void accumulate_pv(Smem& s, int stage, float (&o)[MT]
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        const float a0 = s.alpha[16 * mt + g], a1 = s.alpha[16 * mt + g + 8];
+        const float a0 = s.alpha[16 * mt + g], a1 = HALF ? 1.f : s.alpha[16 * mt + g + 8];
 #pragma unroll
         for (int nt = 0; nt < PV_NT; ++nt) {
             o[mt][nt][0] = __fmul_rn(o[mt][nt][0], a0);
             o[mt][nt][1] = __fmul_rn(o[mt][nt][1], a0);
-            o[mt][nt][2] = __fmul_rn(o[mt][nt][2], a1);
-            o[mt][nt][3] = __fmul_rn(o[mt][nt][3], a1);
+            if (!HALF) {
+                o[mt][nt][2] = __fmul_rn(o[mt][nt][2], a1);
+                o[mt][nt][3] = __fmul_rn(o[mt][nt][3], a1);
+            }
         }
     }
 #pragma unroll
@@ -508,7 +519,9 @@ __device__ int begin_chunk(Smem& s, const Task& t, const Pages& pg, int n_rows, 
 // partials are complete, P is complete. Sub-tile `sub` lives in stage sub % STAGES; the stage refilled
 // at iteration sub is that of sub - 1, which every warp has finished reading at the first barrier.
 // The Q fragments are loaded here for every chunk (staged again by begin_chunk), so that they hold no
-// registers across the chunk kernel's fold.
+// registers across the chunk kernel's fold. HALF (a tile of at most 8 valid rows, as in every 8-head
+// decode): the work on rows 8..15 that only they use is left out; rows 0..7 get the same operations.
+template <bool HALF>
 __device__ void run_chunk(Smem& s, int nkeys, const __nv_bfloat16* cache, float scale_log2, float (&o)[MT][PV_NT][4],
                           RowState& row) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -536,11 +549,11 @@ __device__ void run_chunk(Smem& s, int nkeys, const __nv_bfloat16* cache, float 
         cp_async_commit();
         float acc[S_NT][2][4];
         scores(s, stage, qa, quarter, n0, lane, acc);
-        store_scores(s, acc, quarter, mtile, n0, lane);
+        store_scores<HALF>(s, acc, quarter, mtile, n0, lane);
         __syncthreads();
-        softmax_step(s, sub, nkeys, scale_log2, row);
+        softmax_step<HALF>(s, sub, nkeys, scale_log2, row);
         __syncthreads();
-        accumulate_pv(s, stage, o, warp, lane);
+        accumulate_pv<HALF>(s, stage, o, warp, lane);
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
     row.l = row_sum(row.l);
@@ -663,8 +676,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)
     int nkeys = begin_chunk(s, t, pg, n_rows, q, cache, status);
     float o[MT][PV_NT][4];
     RowState row;
+    const bool half = t.row1 - t.row0 <= 8;
+    auto chunk = [&] {
+        if (half)
+            run_chunk<true>(s, nkeys, cache, scale_log2, o, row);
+        else
+            run_chunk<false>(s, nkeys, cache, scale_log2, o, row);
+    };
     if (!folding) {
-        run_chunk(s, nkeys, cache, scale_log2, o, row);
+        chunk();
         store_partial(t, o, row, warp, lane, max_chunks, part_o, part_ml);
         return;
     }
@@ -675,7 +695,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)
     const int last = min(min(first + FOLD, chunks), max_chunks);
     RowState group{-INFINITY, 0.f};
     for (int c = first; c < last; ++c) {
-        run_chunk(s, nkeys, cache, scale_log2, o, row);
+        chunk();
         if (c + 1 < last) {
             t.chunk = c + 1;
             nkeys = begin_chunk(s, t, pg, n_rows, q, cache, status);
