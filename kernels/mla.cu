@@ -628,12 +628,17 @@ using namespace kdt::mla;
 // computes the group's chunks in order and folds them into one state in the group's first slot.
 // `visibility` is unused (may be null) in decode mode, where n_rows is 1. `status` is two words: CTA
 // (0, 0, 0) clears status[0], the run's word, and the launch ORs its bits into status[1] (see mla_combine).
-extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)
-    mla_chunk(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache,
-              const int* __restrict__ block_table, const int* __restrict__ seq_len,
-              const uint32_t* __restrict__ visibility, int mode, int fold, int num_pages, int page_size,
-              int pages_per_req, int n_rows, int words, int heads, int max_chunks, float scale,
-              float* __restrict__ part_o, float* __restrict__ part_ml, int* __restrict__ status) {
+// mla_chunk_half is the same kernel but gives tiles of at most 8 valid rows run_chunk<true>; the launcher
+// takes it for launches whose tiles all have at most 8 rows (8 heads or fewer, decode or tree tail), and
+// mla_chunk, which never halves, for the others, whose code it leaves as it was: with both paths in one
+// kernel the full-tile launches ran up to 2% slower on the H200 (tree_verify bs 1, short 16-head decodes).
+template <bool MAY_HALVE>
+__device__ __forceinline__ void chunk_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache,
+                                             const int* __restrict__ block_table, const int* __restrict__ seq_len,
+                                             const uint32_t* __restrict__ visibility, int mode, int fold,
+                                             int num_pages, int page_size, int pages_per_req, int n_rows, int words,
+                                             int heads, int max_chunks, float scale, float* __restrict__ part_o,
+                                             float* __restrict__ part_ml, int* __restrict__ status) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Smem& s = *reinterpret_cast<Smem*>(smem_raw);
     // The run's status word is cleared here (nothing else writes it before the combine), and this
@@ -676,10 +681,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)
     int nkeys = begin_chunk(s, t, pg, n_rows, q, cache, status);
     float o[MT][PV_NT][4];
     RowState row;
-    const bool half = t.row1 - t.row0 <= 8;
+    const bool half = MAY_HALVE && t.row1 - t.row0 <= 8;
     auto chunk = [&] {
         if (half)
-            run_chunk<true>(s, nkeys, cache, scale_log2, o, row);
+            run_chunk<MAY_HALVE>(s, nkeys, cache, scale_log2, o, row);
         else
             run_chunk<false>(s, nkeys, cache, scale_log2, o, row);
     };
@@ -709,6 +714,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)
         ml[1] = group.l;
     }
 }
+
+#define KDT_MLA_CHUNK(NAME, MAY_HALVE)                                                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)                                               \
+        NAME(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache,                       \
+             const int* __restrict__ block_table, const int* __restrict__ seq_len,                               \
+             const uint32_t* __restrict__ visibility, int mode, int fold, int num_pages, int page_size,           \
+             int pages_per_req, int n_rows, int words, int heads, int max_chunks, float scale,                   \
+             float* __restrict__ part_o, float* __restrict__ part_ml, int* __restrict__ status) {                \
+        chunk_kernel<MAY_HALVE>(q, cache, block_table, seq_len, visibility, mode, fold, num_pages, page_size,    \
+                                pages_per_req, n_rows, words, heads, max_chunks, scale, part_o, part_ml, status); \
+    }
+KDT_MLA_CHUNK(mla_chunk, false)
+KDT_MLA_CHUNK(mla_chunk_half, true)
 
 // The combine kernels' shared prologue. CTA 0 moves the chunk launches' status bits (status[1]) into
 // the run's word (see mla_chunk).

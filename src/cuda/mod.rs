@@ -110,6 +110,8 @@ struct Kernels {
     int4_fill_random: CudaFunction,
     int4_dequant_bf16: CudaFunction,
     mla_chunk: CudaFunction,
+    /// `mla_chunk` for launches whose tiles hold at most 8 query rows (kernels/mla.cu run_chunk's HALF).
+    mla_chunk_half: CudaFunction,
     mla_combine: CudaFunction,
     mla_combine_rows: CudaFunction,
     /// The GEMM's tile shapes, in the order of `gemm_bf16::SHAPES`.
@@ -140,6 +142,7 @@ impl Kernels {
             int4_fill_random: f("int4_fill_random")?,
             int4_dequant_bf16: f("int4_dequant_bf16")?,
             mla_chunk: f("mla_chunk")?,
+            mla_chunk_half: f("mla_chunk_half")?,
             mla_combine: f("mla_combine")?,
             mla_combine_rows: f("mla_combine_rows")?,
             gemm_bf16: [f(gemm_bf16::SHAPES[0].name)?, f(gemm_bf16::SHAPES[1].name)?, f(gemm_bf16::SHAPES[2].name)?],
@@ -287,13 +290,13 @@ impl Gpu {
                 MAX_SHARED_BYTES as i32,
             )
             .map_err(|e| cuda_err("tree_build shared memory attribute", e))?;
-        kernels
-            .mla_chunk
-            .set_attribute(
+        for f in [&kernels.mla_chunk, &kernels.mla_chunk_half] {
+            f.set_attribute(
                 sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 mla::CHUNK_SHARED_BYTES as i32,
             )
             .map_err(|e| cuda_err("mla_chunk shared memory attribute", e))?;
+        }
         for (f, bytes) in kernels.gemm_bf16.iter().zip(gemm_bf16::SHARED_BYTES) {
             f.set_attribute(
                 sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
