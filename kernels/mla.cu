@@ -347,7 +347,7 @@ __device__ __forceinline__ float row_sum(float share) {
 // warps of rows 8..15 have nothing to do (those rows' P, alpha and state never reach a stored result).
 template <bool HALF>
 __device__ __forceinline__ void softmax_step(Smem& s, int sub, int nkeys, float scale_log2, RowState& st) {
-    static_assert(MT == 1 && 32 / ROW_THREADS == 2, "HALF: warps 4..7 hold rows 8..15");
+    static_assert(!HALF || (MT == 1 && 32 / ROW_THREADS == 2), "HALF: warps 4..7 hold rows 8..15");
     if (HALF && threadIdx.x >= 8 * ROW_THREADS) return;  // warp-uniform
     const int row = threadIdx.x / ROW_THREADS, k0 = (threadIdx.x % ROW_THREADS) * ROW_KEYS, col = s_col(row, k0);
     float2 part[4];

@@ -12,7 +12,7 @@
 // computed by the same operations whatever the batch: results are deterministic and batch invariant. The
 // same MMA path serves one token or many (no separate GEMV path): at a few tokens the kernels are bound
 // by weight bytes, not by the MMA lanes left idle. A block whose expert has one token leaves out only work
-// on columns that are never stored (group_mma's ONE: 16-20% fewer instructions in its chunk loop, T 1-16
+// on columns that are never stored (group_mma's ONE: 11-19% fewer instructions in its chunk loop, T 1-16
 // 2-4% faster on the H200), so it too computes every stored element the same way.
 #include "common.cuh"
 
