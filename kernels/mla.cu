@@ -681,6 +681,8 @@ __device__ __forceinline__ void chunk_kernel(const __nv_bfloat16* __restrict__ q
     int nkeys = begin_chunk(s, t, pg, n_rows, q, cache, status);
     float o[MT][PV_NT][4];
     RowState row;
+    // run_chunk<MAY_HALVE> rather than run_chunk<true>: where `half` holds MAY_HALVE is true, and mla_chunk
+    // then never instantiates the halved path, so its code stays the full-tile one alone.
     const bool half = MAY_HALVE && t.row1 - t.row0 <= 8;
     auto chunk = [&] {
         if (half)
