@@ -14,6 +14,8 @@
 // by weight bytes, not by the MMA lanes left idle. A block whose expert has one token leaves out only work
 // on columns that are never stored (group_mma's ONE: 11-19% fewer instructions in its chunk loop, T 1-16
 // 2-4% faster on the H200), so it too computes every stored element the same way.
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace kdt {
@@ -295,14 +297,15 @@ struct StageTile {
 };
 
 // The native layout's stage: the chunk's 16 rows in checkpoint order, 64 bytes each and unpadded, and
-// their 4 scales each. Row r keeps its group g at g ^ native_swizzle(r), so that the lanes' 4-byte reads
-// of one group over rows 0..7 fall in distinct banks, while each row's copy lands on its own 64 bytes.
+// their 4 scales each, arranged as the tiled stage's. Row r keeps its group g at g ^ native_swizzle(r), so
+// that the 16-byte pieces of one group over rows 0..7 (an 8x8 matrix of ldmatrix, which hands lane l word
+// l % 4 of row l / 4) fall in distinct banks, while each row's copy lands on its own 64 bytes.
 // (Rows padded to 80 bytes instead give the copies destinations that straddle 32-byte sectors, and L2
 // then serves sectors twice: 22.6M sector reads against 17.8M for the gate/up GEMM at T 4 on the H200,
 // and 3-6% more time.)
 struct NativeStage {
     uint32_t word[16][16];         // [row][swizzled group * 4 + word]
-    __nv_bfloat16 scale[16][4];    // [row][group]
+    __nv_bfloat16 scale[8][2][4];  // [row i][half][group]: row i + 8 * half
 };
 __device__ __forceinline__ int native_swizzle(int row) { return (row >> 1) & 3; }
 
@@ -339,19 +342,21 @@ struct NativeLayout {
         scale_row = scale + (size_t)(row0 + (lane & 15)) * groups + g0;
     }
 
+    template <bool WHOLE>
     __device__ __forceinline__ void stage(Stage* dst) {
         const int lane = threadIdx.x & 31, row = lane >> 2, j = lane & 3;
-        const bool in = g0 + j < groups;
+        const bool in = WHOLE || g0 + j < groups;
         const int at = 4 * (j ^ native_swizzle(row));  // the same for row + 8
         cp_async16_line(&dst->word[row][at], in ? piece : base, in ? 16 : 0);
         cp_async16_line(&dst->word[row + 8][at], in ? piece + 8 * row_pieces : base, in ? 16 : 0);
         if (lane < 16) {
-            if (groups % CHUNK_GROUPS == 0) {
-                cp_async8_line(&dst->scale[lane][0], scale_row);
+            __nv_bfloat16* scales = dst->scale[lane & 7][lane >> 3];
+            if (WHOLE) {
+                cp_async8_line(scales, scale_row);
             } else {
 #pragma unroll
                 for (int q = 0; q < CHUNK_GROUPS; ++q)
-                    dst->scale[lane][q] = g0 + q < groups ? scale_row[q] : __float2bfloat16_rn(0.0f);
+                    scales[q] = g0 + q < groups ? scale_row[q] : __float2bfloat16_rn(0.0f);
             }
         }
         piece += step;
@@ -359,16 +364,17 @@ struct NativeLayout {
         g0 += step;
     }
 
-    // The lane's words of rows r and r + 8 (one per group) and their scales, as the tiled stage gives them.
+    // The lane's words of rows r and r + 8 (one per group) and their scales, as the tiled stage gives them:
+    // one ldmatrix per 8 rows, whose matrix j is group j (lanes 8j .. 8j + 7 give its rows' addresses).
     __device__ __forceinline__ static void read(const Stage& s, uint4& lo, uint4& hi, uint4& scales) {
-        const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
-        const int f = native_swizzle(r);  // the same for row r + 8
-        const int w0 = 4 * f + c, w1 = 4 * (1 ^ f) + c, w2 = 4 * (2 ^ f) + c, w3 = 4 * (3 ^ f) + c;
-        lo = make_uint4(s.word[r][w0], s.word[r][w1], s.word[r][w2], s.word[r][w3]);
-        hi = make_uint4(s.word[r + 8][w0], s.word[r + 8][w1], s.word[r + 8][w2], s.word[r + 8][w3]);
-        const uint2 a = *reinterpret_cast<const uint2*>(&s.scale[r][0]);
-        const uint2 b = *reinterpret_cast<const uint2*>(&s.scale[r + 8][0]);
-        scales = make_uint4(a.x, a.y, b.x, b.y);
+        const int lane = threadIdx.x & 31, row = lane & 7, j = lane >> 3;
+        const uint32_t* piece = &s.word[row][4 * (j ^ native_swizzle(row))];  // the same for row + 8
+        uint32_t w[4];
+        ldmatrix_x4(w, piece);
+        lo = make_uint4(w[0], w[1], w[2], w[3]);
+        ldmatrix_x4(w, piece + 8 * 16);
+        hi = make_uint4(w[0], w[1], w[2], w[3]);
+        scales = *reinterpret_cast<const uint4*>(&s.scale[lane >> 2][0][0]);
     }
 };
 
@@ -392,6 +398,7 @@ struct TiledLayout {
         policy = l2_evict_first();
     }
 
+    template <bool WHOLE>  // the image holds zeros past the last group: no bounds to check
     __device__ __forceinline__ void stage(StageTile* dst) {
         const int lane = threadIdx.x & 31;
         cp_async16_hint(&dst->word[0][lane], words, 16, policy);
@@ -494,14 +501,15 @@ __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w 
 
 // The lane's activations of group g: elements 8c .. 8c + 7 of its row (`x` points at element 8c of
 // group 0); zeros past the last group, which only chunks of a partly filled last chunk reach.
+template <bool WHOLE>
 __device__ __forceinline__ uint4 load_act(const uint4* x, int g, int groups) {
-    return g < groups ? __ldg(x + g * (GROUP / 8)) : make_uint4(0, 0, 0, 0);
+    return WHOLE || g < groups ? __ldg(x + g * (GROUP / 8)) : make_uint4(0, 0, 0, 0);
 }
 
 // Multiplies one staged chunk (groups g0 .. g0 + 3) of MT m16 tiles with NT n8 tiles. With one n8 tile
 // the activations come from their stage in `xp`; with more they are loaded here, one group at a time, so
 // they do not all occupy registers at once.
-template <class Layout, int MT, int NT, bool ONE>
+template <class Layout, int MT, int NT, bool ONE, bool WHOLE>
 __device__ __forceinline__ void chunk_mma(float (&acc)[MT][NT][4], const typename Layout::Stage* tiles,
                                           const uint4 (&xp)[CHUNK_GROUPS], const uint4* const (&act)[NT], int g0,
                                           int groups, const uint32_t (&minus136)[4]) {
@@ -513,7 +521,7 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[MT][NT][4], const typenam
         GroupActs x[NT];
 #pragma unroll
         for (int n = 0; n < NT; ++n)
-            x[n] = group_acts<Layout::INTERLEAVED>(NT == 1 ? xp[j] : load_act(act[n], g0 + j, groups), minus136);
+            x[n] = group_acts<Layout::INTERLEAVED>(NT == 1 ? xp[j] : load_act<WHOLE>(act[n], g0 + j, groups), minus136);
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
             // sv: the scales of groups (0, 1) and (2, 3) of row r, then of row r + 8
@@ -562,7 +570,7 @@ struct ActStage {
 // activations are loaded by each lane inside chunk_mma, and the groups are W0 .. W(S-1) then one per
 // later chunk, again S - 1 newer ones. With one token (ONE: NT 1, `tokens` 1) lanes (g, c), g < 4, copy
 // piece c of group g, so a chunk's 64 bytes take one copy instruction instead of four.
-template <class Layout, int MT, int NT, int STAGES, bool ONE, class WaitInputs>
+template <class Layout, int MT, int NT, int STAGES, bool ONE, bool WHOLE, class WaitInputs>
 __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, const uint4* const (&act)[NT],
                           int tokens, int first, int count, int step, typename Layout::Stage* ring,
                           ActStage* acts, WaitInputs wait_inputs) {
@@ -580,30 +588,22 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     static_assert(MT == 2, "the cursors above list two m16 tiles");
     auto stage_weights = [&](int stage) {
 #pragma unroll
-        for (int m = 0; m < MT; ++m) cursor[m].stage(ring + stage * MT + m);
+        for (int m = 0; m < MT; ++m) cursor[m].template stage<WHOLE>(ring + stage * MT + m);
     };
-    // The lane's 64 bytes of each staged chunk, from a pointer that walks the chunks; when the group
-    // count divides into whole chunks (every Kimi-K2 matrix), the four copies need no bounds checks.
-    const bool whole_chunks = groups % CHUNK_GROUPS == 0;
+    // The lane's 64 bytes of each staged chunk, from a pointer that walks the chunks.
     const uint4* act_chunk = act[0] + first * CHUNK_GROUPS * (GROUP / 8);
     int act_group = first * CHUNK_GROUPS;
     auto stage_acts = [&](int stage) {
         if (ONE) {
             if (r < CHUNK_GROUPS) {
-                const bool in = act_group + r < groups;
+                const bool in = WHOLE || act_group + r < groups;
                 cp_async16(&acts[stage].x[r][0][c], in ? act_chunk + r * (GROUP / 8) : act[0], in ? 16 : 0);
             }
         } else if (r < tokens) {
-            if (whole_chunks) {
 #pragma unroll
-                for (int j = 0; j < CHUNK_GROUPS; ++j)
-                    cp_async16(&acts[stage].x[j][r][c], act_chunk + j * (GROUP / 8), 16);
-            } else {
-#pragma unroll
-                for (int j = 0; j < CHUNK_GROUPS; ++j) {
-                    const bool in = act_group + j < groups;
-                    cp_async16(&acts[stage].x[j][r][c], in ? act_chunk + j * (GROUP / 8) : act[0], in ? 16 : 0);
-                }
+            for (int j = 0; j < CHUNK_GROUPS; ++j) {
+                const bool in = WHOLE || act_group + j < groups;
+                cp_async16(&acts[stage].x[j][r][c], in ? act_chunk + j * (GROUP / 8) : act[0], in ? 16 : 0);
             }
         }
         act_chunk += step * CHUNK_GROUPS * (GROUP / 8);
@@ -641,7 +641,7 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
 #pragma unroll
             for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = acts[use].x[j][r][c];
         }
-        chunk_mma<Layout, MT, NT, ONE>(acc, ring + use * MT, x, act, chunk * CHUNK_GROUPS, groups, minus136);
+        chunk_mma<Layout, MT, NT, ONE, WHOLE>(acc, ring + use * MT, x, act, chunk * CHUNK_GROUPS, groups, minus136);
         __syncwarp();  // every lane is done with the stage before it is refilled
         if (i + STAGES < count) {
             stage_weights(use);
@@ -720,7 +720,7 @@ struct BlockShape {
 
     // Runs the warp's share of a pass and leaves its accumulators in the partials.
     // A row group past the matrix (`rows_valid` false) computes nothing but still reaches the barriers.
-    template <bool ONE, class WaitInputs>
+    template <bool ONE, bool WHOLE, class WaitInputs>
     __device__ static void pass(unsigned char* smem, const GemmArgs<MT>& args, const uint4* const (&act)[NT],
                                 int tokens, bool rows_valid, WaitInputs wait_inputs) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kslice = warp % KSPLIT;
@@ -729,7 +729,7 @@ struct BlockShape {
         // read neighbouring chunks at about the same time.
         const int count = rows_valid ? (chunks - kslice + KSPLIT - 1) / KSPLIT : 0;
         float acc[MT][NT][4];
-        warp_gemm<Layout, MT, NT, STAGES, ONE>(acc, args, act, tokens, kslice, count, KSPLIT, ring(smem), act_ring(smem),
+        warp_gemm<Layout, MT, NT, STAGES, ONE, WHOLE>(acc, args, act, tokens, kslice, count, KSPLIT, ring(smem), act_ring(smem),
                                           wait_inputs);
         float* out = partials(smem) + (size_t)warp * FRAG;
 #pragma unroll
@@ -753,7 +753,7 @@ struct BlockShape {
 // GEMM 1: h[pos, j] = bf16(silu(x · gate_j) * (x · up_j)) for the expert's sorted positions `pos`. A row
 // group covers 16 rows j of gate (m tile 0) and of up (m tile 1). Grid: (I / (16 RGROUPS), active experts).
 // The narrow kernel counts each block done in handoff[slot] (rule H).
-template <class Layout, int NT, int KSPLIT, int STAGES, bool ONE>
+template <class Layout, int NT, int KSPLIT, int STAGES, bool ONE, bool WHOLE>
 __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,
                         const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k,
                         const int* __restrict__ sorted_pairs, const ExpertSlice& ex, __nv_bfloat16* __restrict__ h,
@@ -771,7 +771,7 @@ __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __r
             const int token = t == 0 ? ex.first_token : sorted_pairs[ex.begin + t] / k;
             act[n] = reinterpret_cast<const uint4*>(x + (size_t)token * H) + (lane & 3);
         }
-        Shape::template pass<ONE>(smem, args, act, min(ex.count - t0, NT * 8), true, [] { pdl_wait(); });
+        Shape::template pass<ONE, WHOLE>(smem, args, act, min(ex.count - t0, NT * 8), true, [] { pdl_wait(); });
         __syncthreads();
         for (int idx = threadIdx.x; idx < Shape::RGROUPS * NT * 128; idx += Shape::THREADS) {
             const int g = idx / (NT * 128), e = idx % (NT * 128);
@@ -806,7 +806,7 @@ __device__ __forceinline__ void wait_for_expert(int* handoff, int gate_up_blocks
 
 // GEMM 2: y[pair, r] = h[pos] · down_r; a row group covers 32 rows (two m16 tiles).
 // Grid: (ceil(H / (32 RGROUPS)), active experts). ONE: the expert has one token (see group_mma).
-template <class Layout, int NT, int KSPLIT, int STAGES, bool ONE>
+template <class Layout, int NT, int KSPLIT, int STAGES, bool ONE, bool WHOLE>
 __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,
                      const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int* __restrict__ sorted_pairs,
                      bool direct, const ExpertSlice& ex, float* __restrict__ y, int* __restrict__ handoff) {
@@ -823,7 +823,7 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
             act[n] = reinterpret_cast<const uint4*>(h + (size_t)(ex.begin + t) * I) + (lane & 3);
         }
         const int gate_up_blocks = (I + 15) / 16;  // the narrow gate/up grid's rows (asserted below)
-        Shape::template pass<ONE>(smem, args, act, min(ex.count - t0, NT * 8), r0 < H, [&] {
+        Shape::template pass<ONE, WHOLE>(smem, args, act, min(ex.count - t0, NT * 8), r0 < H, [&] {
             if constexpr (NT == 1) {
                 static_assert(KSPLIT == 1 && Shape::WARPS == 1, "one warp per narrow down block: each counts once");
                 wait_for_expert(handoff, gate_up_blocks);
@@ -861,6 +861,17 @@ constexpr int DOWN_KSPLIT = 1;
 constexpr int NARROW_STAGES = 3;
 constexpr int WIDE_STAGES = 2;
 
+// Calls f(std::true_type) when K = `cols` splits into whole chunks (every Kimi-K2 matrix), else
+// f(std::false_type): the chunk loops of the first kind check no bounds (the native layout's copies and
+// the activations' would otherwise select addresses and sizes per copy), the others zero what lies past K.
+template <class F>
+__device__ __forceinline__ void with_whole_chunks(int cols, F f) {
+    if (cols % (GROUP * CHUNK_GROUPS) == 0)
+        f(std::true_type{});
+    else
+        f(std::false_type{});
+}
+
 // Experts with at most 8 tokens take the narrow kernels (one n8 tile, a deep pipeline), the others the
 // wide ones (2 n8 tiles per pass), so the common few-token case keeps its registers and occupancy. Both
 // compute every element with the same operations, so which one serves an expert changes no result.
@@ -876,10 +887,14 @@ __device__ __forceinline__ void gate_up_kernel(const __nv_bfloat16* x, const uin
     ExpertSlice ex;
     if (!aligned_expert(slices, num_active, ex) || (ex.count > 8) != (NT > 1)) return;
     // Most experts of a few-token routing have one token (at T 16, 90 of about 109 on Kimi-K2's 384).
-    if (NT == 1 && ex.count == 1)
-        gate_up<Layout, NT, GATE_UP_KSPLIT, STAGES, NT == 1>(x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
-    else
-        gate_up<Layout, NT, GATE_UP_KSPLIT, STAGES, false>(x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
+    const bool one = NT == 1 && ex.count == 1;
+    with_whole_chunks(H, [&](auto whole) {
+        constexpr bool WHOLE = decltype(whole)::value;
+        if (one)
+            gate_up<Layout, NT, GATE_UP_KSPLIT, STAGES, NT == 1, WHOLE>(x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
+        else
+            gate_up<Layout, NT, GATE_UP_KSPLIT, STAGES, false, WHOLE>(x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
+    });
 }
 
 // The gate/up GEMM of one token (direct_expert): the expert is known before the wait, so warp_gemm
@@ -891,7 +906,10 @@ __device__ __forceinline__ void gate_up_direct_kernel(const __nv_bfloat16* x, co
                                                       int* handoff) {
     ExpertSlice ex;
     if (direct_expert(topk_ids, experts, ex))
-        gate_up<Layout, 1, GATE_UP_KSPLIT, STAGES, true>(x, w13, w13_scale, H, I, 1, nullptr, ex, h, handoff);
+        with_whole_chunks(H, [&](auto whole) {
+            gate_up<Layout, 1, GATE_UP_KSPLIT, STAGES, true, decltype(whole)::value>(x, w13, w13_scale, H, I, 1,
+                                                                                    nullptr, ex, h, handoff);
+        });
     pdl_wait();  // rule W on every path (a block that ran has waited in warp_gemm already)
 }
 
@@ -903,11 +921,14 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
     // the wait, and warp_gemm issues the block's first weight stages while the gate/up GEMM finishes.
     ExpertSlice ex;
     if (block_expert(routing, ex) && (ex.count > 8) == (NT > 1)) {
-        const bool direct = routing.direct;
-        if (NT == 1 && ex.count == 1)  // always so for a direct routing
-            down<Layout, NT, DOWN_KSPLIT, STAGES, NT == 1>(h, w2, w2_scale, H, I, pairs, direct, ex, y, handoff);
-        else
-            down<Layout, NT, DOWN_KSPLIT, STAGES, false>(h, w2, w2_scale, H, I, pairs, direct, ex, y, handoff);
+        const bool direct = routing.direct, one = NT == 1 && ex.count == 1;  // always one for a direct routing
+        with_whole_chunks(I, [&](auto whole) {
+            constexpr bool WHOLE = decltype(whole)::value;
+            if (one)
+                down<Layout, NT, DOWN_KSPLIT, STAGES, NT == 1, WHOLE>(h, w2, w2_scale, H, I, pairs, direct, ex, y, handoff);
+            else
+                down<Layout, NT, DOWN_KSPLIT, STAGES, false, WHOLE>(h, w2, w2_scale, H, I, pairs, direct, ex, y, handoff);
+        });
     }
     pdl_wait();  // rule W on every path (a wide block has waited in warp_gemm already; a narrow one only spun)
 }
