@@ -309,8 +309,10 @@ struct NativeStage {
 };
 __device__ __forceinline__ int native_swizzle(int row) { return (row >> 1) & 3; }
 
-// A layout's cursor walks one m16 tile's chunks: `stage` copies the current chunk into a StageTile and
-// moves to the next, so the per-chunk address work is a few adds.
+// A layout's cursor walks one m16 tile's chunks: `stage(dst, ahead)` copies the chunk `ahead` staged
+// chunks past the cursor's into a stage, and `advance` moves the cursor. The chunk loop is unrolled by its
+// stages, so `ahead` is a constant there and every copy's address an immediate offset from the cursor's
+// pointers, which move once per round of stages.
 
 // Checkpoint layout: packed [rows, cols/8] i32, scale [rows, cols/32] bf16. A row's chunk is 64
 // contiguous bytes: lane l copies the 16-byte group l % 4 of rows l / 4 and l / 4 + 8, and lanes 0..15 the
@@ -325,9 +327,9 @@ struct NativeLayout {
     typedef NativeStage Stage;
     static constexpr bool INTERLEAVED = false;  // nibble i of a word is element i
     const uint4* piece;                // the lane's group of row l / 4 in the current chunk
+    const uint4* piece_hi;             // and of row l / 4 + 8
     const uint4* base;                 // a valid address for the zero-filling copies past the last group
     const __nv_bfloat16* scale_row;    // row l % 16's scales at the chunk's first group
-    size_t row_pieces;                 // 16-byte pieces per row
     int g0, groups, step;              // step: groups from one staged chunk to the next
 
     __device__ __forceinline__ NativeLayout(const uint32_t* packed, const __nv_bfloat16* scale, int row0, int groups_,
@@ -336,32 +338,36 @@ struct NativeLayout {
         groups = groups_;
         step = chunk_step * CHUNK_GROUPS;
         g0 = chunk * CHUNK_GROUPS;
-        row_pieces = groups;  // one 16-byte piece per group
         base = reinterpret_cast<const uint4*>(packed);
-        piece = base + (size_t)(row0 + (lane >> 2)) * row_pieces + g0 + (lane & 3);
+        piece = base + (size_t)(row0 + (lane >> 2)) * groups + g0 + (lane & 3);  // one 16-byte piece per group
+        piece_hi = piece + (size_t)8 * groups;
         scale_row = scale + (size_t)(row0 + (lane & 15)) * groups + g0;
     }
 
     template <bool WHOLE>
-    __device__ __forceinline__ void stage(Stage* dst) {
-        const int lane = threadIdx.x & 31, row = lane >> 2, j = lane & 3;
-        const bool in = WHOLE || g0 + j < groups;
+    __device__ __forceinline__ void stage(Stage* dst, int ahead) const {
+        const int lane = threadIdx.x & 31, row = lane >> 2, j = lane & 3, skip = ahead * step, g = g0 + skip;
+        const bool in = WHOLE || g + j < groups;
         const int at = 4 * (j ^ native_swizzle(row));  // the same for row + 8
-        cp_async16_line(&dst->word[row][at], in ? piece : base, in ? 16 : 0);
-        cp_async16_line(&dst->word[row + 8][at], in ? piece + 8 * row_pieces : base, in ? 16 : 0);
+        cp_async16_line(&dst->word[row][at], in ? piece + skip : base, in ? 16 : 0);
+        cp_async16_line(&dst->word[row + 8][at], in ? piece_hi + skip : base, in ? 16 : 0);
         if (lane < 16) {
             __nv_bfloat16* scales = dst->scale[lane & 7][lane >> 3];
             if (WHOLE) {
-                cp_async8_line(scales, scale_row);
+                cp_async8_line(scales, scale_row + skip);
             } else {
 #pragma unroll
                 for (int q = 0; q < CHUNK_GROUPS; ++q)
-                    scales[q] = g0 + q < groups ? scale_row[q] : __float2bfloat16_rn(0.0f);
+                    scales[q] = g + q < groups ? scale_row[skip + q] : __float2bfloat16_rn(0.0f);
             }
         }
-        piece += step;
-        scale_row += step;
-        g0 += step;
+    }
+
+    __device__ __forceinline__ void advance(int chunks) {
+        piece += chunks * step;
+        piece_hi += chunks * step;
+        scale_row += chunks * step;
+        g0 += chunks * step;
     }
 
     // The lane's words of rows r and r + 8 (one per group) and their scales, as the tiled stage gives them:
@@ -399,13 +405,16 @@ struct TiledLayout {
     }
 
     template <bool WHOLE>  // the image holds zeros past the last group: no bounds to check
-    __device__ __forceinline__ void stage(StageTile* dst) {
-        const int lane = threadIdx.x & 31;
-        cp_async16_hint(&dst->word[0][lane], words, 16, policy);
-        cp_async16_hint(&dst->word[1][lane], words + 32, 16, policy);
-        if (lane < 8) cp_async16_hint(&dst->scale[lane][0][0], scales, 16, policy);
-        words += 64 * step;
-        scales += 8 * step;
+    __device__ __forceinline__ void stage(StageTile* dst, int ahead) const {
+        const int lane = threadIdx.x & 31, skip = ahead * step;
+        cp_async16_hint(&dst->word[0][lane], words + 64 * skip, 16, policy);
+        cp_async16_hint(&dst->word[1][lane], words + 64 * skip + 32, 16, policy);
+        if (lane < 8) cp_async16_hint(&dst->scale[lane][0][0], scales + 8 * skip, 16, policy);
+    }
+
+    __device__ __forceinline__ void advance(int chunks) {
+        words += 64 * chunks * step;
+        scales += 8 * chunks * step;
     }
 
     __device__ __forceinline__ static void read(const Stage& s, uint4& lo, uint4& hi, uint4& scales) {
@@ -586,32 +595,39 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     Layout cursor[MT] = {Layout(args.packed, args.scale, args.row0[0], groups, first, step),
                          Layout(args.packed, args.scale, args.row0[1], groups, first, step)};
     static_assert(MT == 2, "the cursors above list two m16 tiles");
-    auto stage_weights = [&](int stage) {
+    // Copies of the chunk `ahead` chunks past the cursors' into stage `stage` (see the layouts' cursors).
+    auto stage_weights = [&](int stage, int ahead) {
 #pragma unroll
-        for (int m = 0; m < MT; ++m) cursor[m].template stage<WHOLE>(ring + stage * MT + m);
+        for (int m = 0; m < MT; ++m) cursor[m].template stage<WHOLE>(ring + stage * MT + m, ahead);
     };
-    // The lane's 64 bytes of each staged chunk, from a pointer that walks the chunks.
+    // The lane's 64 bytes of each staged chunk, from a cursor that walks the chunks with the weights'.
     const uint4* act_chunk = act[0] + first * CHUNK_GROUPS * (GROUP / 8);
     int act_group = first * CHUNK_GROUPS;
-    auto stage_acts = [&](int stage) {
+    auto stage_acts = [&](int stage, int ahead) {
+        const int skip = ahead * step * CHUNK_GROUPS, g = act_group + skip;  // in groups
+        const uint4* src = act_chunk + skip * (GROUP / 8);
         if (ONE) {
             if (r < CHUNK_GROUPS) {
-                const bool in = WHOLE || act_group + r < groups;
-                cp_async16(&acts[stage].x[r][0][c], in ? act_chunk + r * (GROUP / 8) : act[0], in ? 16 : 0);
+                const bool in = WHOLE || g + r < groups;
+                cp_async16(&acts[stage].x[r][0][c], in ? src + r * (GROUP / 8) : act[0], in ? 16 : 0);
             }
         } else if (r < tokens) {
 #pragma unroll
             for (int j = 0; j < CHUNK_GROUPS; ++j) {
-                const bool in = WHOLE || act_group + j < groups;
-                cp_async16(&acts[stage].x[j][r][c], in ? act_chunk + j * (GROUP / 8) : act[0], in ? 16 : 0);
+                const bool in = WHOLE || g + j < groups;
+                cp_async16(&acts[stage].x[j][r][c], in ? src + j * (GROUP / 8) : act[0], in ? 16 : 0);
             }
         }
-        act_chunk += step * CHUNK_GROUPS * (GROUP / 8);
-        act_group += step * CHUNK_GROUPS;
     };
-#pragma unroll 1
+    auto advance = [&](int chunks) {
+#pragma unroll
+        for (int m = 0; m < MT; ++m) cursor[m].advance(chunks);
+        act_chunk += chunks * step * CHUNK_GROUPS * (GROUP / 8);
+        act_group += chunks * step * CHUNK_GROUPS;
+    };
+#pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-        if (s < count) stage_weights(s);
+        if (s < count) stage_weights(s, s);
         cp_async_commit();  // also when empty, so the group count stays one per chunk
     }
     if (NT == 1 && r >= tokens) {
@@ -623,32 +639,38 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     wait_inputs();
     pdl_launch_dependents();
     if (NT == 1) {
-#pragma unroll 1
+#pragma unroll
         for (int s = 0; s < STAGES; ++s) {
-            if (s < count) stage_acts(s);
+            if (s < count) stage_acts(s, s);
             cp_async_commit();
         }
     }
     uint32_t minus136[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) minus136[i] = *static_cast<volatile const uint32_t*>(&minus136_pair);
-    int use = 0;  // the stage of chunk i
-    for (int i = 0, chunk = first; i < count; ++i, chunk += step) {
-        cp_async_wait<STAGES - 1>();  // chunk i's weights (and activations) have landed for this lane ...
-        __syncwarp();                 // ... and for every lane
-        uint4 x[CHUNK_GROUPS];
-        if (NT == 1) {
+    // Rounds of STAGES chunks, unrolled, so that each chunk's stage is a constant; the cursors stand at
+    // chunk i (the round's first) throughout a round.
+    for (int i = 0; i < count; i += STAGES) {
 #pragma unroll
-            for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = acts[use].x[j][r][c];
+        for (int use = 0; use < STAGES; ++use) {  // chunk i + use, in stage `use`
+            if (i + use >= count) break;
+            cp_async_wait<STAGES - 1>();  // the chunk's weights (and activations) have landed for this lane ...
+            __syncwarp();                 // ... and for every lane
+            uint4 x[CHUNK_GROUPS];
+            if (NT == 1) {
+#pragma unroll
+                for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = acts[use].x[j][r][c];
+            }
+            const int g0 = (first + (i + use) * step) * CHUNK_GROUPS;
+            chunk_mma<Layout, MT, NT, ONE, WHOLE>(acc, ring + use * MT, x, act, g0, groups, minus136);
+            __syncwarp();  // every lane is done with the stage before it is refilled
+            if (i + use + STAGES < count) {
+                stage_weights(use, use + STAGES);
+                if (NT == 1) stage_acts(use, use + STAGES);
+            }
+            cp_async_commit();
         }
-        chunk_mma<Layout, MT, NT, ONE, WHOLE>(acc, ring + use * MT, x, act, chunk * CHUNK_GROUPS, groups, minus136);
-        __syncwarp();  // every lane is done with the stage before it is refilled
-        if (i + STAGES < count) {
-            stage_weights(use);
-            if (NT == 1) stage_acts(use);
-        }
-        cp_async_commit();
-        use = use + 1 == STAGES ? 0 : use + 1;
+        advance(STAGES);
     }
     cp_async_wait<0>();
 }
