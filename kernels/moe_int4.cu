@@ -325,7 +325,7 @@ __device__ __forceinline__ int native_swizzle(int row) { return (row >> 1) & 3; 
 // leaves L2 before the next K slice reads it.
 struct NativeLayout {
     typedef NativeStage Stage;
-    static constexpr bool INTERLEAVED = false;  // nibble i of a word is element i
+    static constexpr bool ACTS_PAIRED = false;  // nibble i of a word is element i (see group_acts)
     const uint4* piece;                // the lane's group of row l / 4 in the current chunk
     const uint4* piece_hi;             // and of row l / 4 + 8
     const uint4* base;                 // a valid address for the zero-filling copies past the last group
@@ -388,7 +388,7 @@ struct NativeLayout {
 // global memory, so the copy is two 16-byte pieces per lane plus eight for the scales.
 struct TiledLayout {
     typedef StageTile Stage;
-    static constexpr bool INTERLEAVED = true;  // int4_tile's nibble order
+    static constexpr bool ACTS_PAIRED = true;  // int4_tile's nibble order (see group_acts)
     const uint4* words;   // the lane's first piece of the current chunk
     const uint4* scales;  // the scale piece of lane % 8
     int step;             // chunks from one staged chunk to the next
@@ -443,7 +443,9 @@ __device__ __forceinline__ uint32_t offset_pair(uint32_t w, int shift) {
 // One n8 tile's activations of one group as the two MMAs' B fragments (b[0], b[1] and b[2], b[3]),
 // paired as the weight words are: the lane holds group elements 8c .. 8c + 7 of its token, and the nibble
 // pairs (j, 4 + j) of a weight word hold the elements (j, 4 + j) in the checkpoint's order and (2j, 2j + 1)
-// in the tiled order (int4_tile interleaves the nibbles).
+// in the tiled order (int4_tile interleaves the nibbles). ACTS_PAIRED: the activations' words already hold
+// those pairs (the tiled order, or h as the gate/up GEMM stores it, h_column); otherwise they are permuted
+// here.
 struct GroupActs {
     uint32_t b[4];
     // C fragment of -136 * (sum of the group's activations) for the lane's tokens 2c and 2c + 1 (rows
@@ -452,10 +454,10 @@ struct GroupActs {
     float offset[4];
 };
 
-template <bool INTERLEAVED>
+template <bool ACTS_PAIRED>
 __device__ __forceinline__ GroupActs group_acts(uint4 x, const uint32_t (&minus136)[4]) {
     GroupActs g;
-    if (INTERLEAVED) {
+    if (ACTS_PAIRED) {
         g.b[0] = x.x, g.b[1] = x.y, g.b[2] = x.z, g.b[3] = x.w;
     } else {
         g.b[0] = __byte_perm(x.x, x.z, 0x5410);  // elements (0, 4)
@@ -530,7 +532,7 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[MT][NT][4], const typenam
         GroupActs x[NT];
 #pragma unroll
         for (int n = 0; n < NT; ++n)
-            x[n] = group_acts<Layout::INTERLEAVED>(NT == 1 ? xp[j] : load_act<WHOLE>(act[n], g0 + j, groups), minus136);
+            x[n] = group_acts<Layout::ACTS_PAIRED>(NT == 1 ? xp[j] : load_act<WHOLE>(act[n], g0 + j, groups), minus136);
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
             // sv: the scales of groups (0, 1) and (2, 3) of row r, then of row r + 8
@@ -772,7 +774,24 @@ struct BlockShape {
     }
 };
 
-// GEMM 1: h[pos, j] = bf16(silu(x · gate_j) * (x · up_j)) for the expert's sorted positions `pos`. A row
+// Where h keeps its column j, so that the down GEMM reads its activations in pair order (ACTS_PAIRED):
+// as is for the tiled layout; for the native one, each 8 columns in the order 0 4 1 5 2 6 3 7, which
+// spares the down GEMM's chunk loop 16 byte permutes.
+template <class Layout>
+__device__ __forceinline__ int h_column(int j) {
+    if (Layout::ACTS_PAIRED) return j;
+    const int e = j & 7;
+    return (j & ~7) | (e < 4 ? 2 * e : 2 * e - 7);
+}
+
+// The down GEMM's view of a layout: its activations, h, come in pair order (h_column).
+template <class Layout>
+struct PairedActs : Layout {
+    using Layout::Layout;
+    static constexpr bool ACTS_PAIRED = true;
+};
+
+// GEMM 1: h[pos, h_column(j)] = bf16(silu(x · gate_j) * (x · up_j)) for the expert's sorted positions `pos`. A row
 // group covers 16 rows j of gate (m tile 0) and of up (m tile 1). Grid: (I / (16 RGROUPS), active experts).
 // The narrow kernel counts each block done in handoff[slot] (rule H).
 template <class Layout, int NT, int KSPLIT, int STAGES, bool ONE, bool WHOLE>
@@ -803,7 +822,7 @@ __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __r
             const float gate = Shape::sum(smem, g, e), up = Shape::sum(smem, g, NT * 128 + e);
             const float silu = gate / (1.0f + expf(-gate));
             const int row = (blockIdx.x * Shape::RGROUPS + g) * 16 + frag_row(l, i);
-            h[(size_t)(ex.begin + t) * I + row] = __float2bfloat16_rn(silu * up);
+            h[(size_t)(ex.begin + t) * I + h_column<Layout>(row)] = __float2bfloat16_rn(silu * up);
         }
         __syncthreads();
     }
@@ -832,7 +851,7 @@ template <class Layout, int NT, int KSPLIT, int STAGES, bool ONE, bool WHOLE>
 __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,
                      const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int* __restrict__ sorted_pairs,
                      bool direct, const ExpertSlice& ex, float* __restrict__ y, int* __restrict__ handoff) {
-    typedef BlockShape<Layout, 2, NT, KSPLIT, STAGES> Shape;
+    typedef BlockShape<PairedActs<Layout>, 2, NT, KSPLIT, STAGES> Shape;
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, rg = (threadIdx.x >> 5) / KSPLIT;
     const int r0 = (blockIdx.x * Shape::RGROUPS + rg) * 32;
