@@ -753,8 +753,8 @@ struct BlockShape {
         // read neighbouring chunks at about the same time.
         const int count = rows_valid ? (chunks - kslice + KSPLIT - 1) / KSPLIT : 0;
         float acc[MT][NT][4];
-        warp_gemm<Layout, MT, NT, STAGES, ONE, WHOLE>(acc, args, act, tokens, kslice, count, KSPLIT, ring(smem), act_ring(smem),
-                                          wait_inputs);
+        warp_gemm<Layout, MT, NT, STAGES, ONE, WHOLE>(acc, args, act, tokens, kslice, count, KSPLIT, ring(smem),
+                                                      act_ring(smem), wait_inputs);
         float* out = partials(smem) + (size_t)warp * FRAG;
 #pragma unroll
         for (int m = 0; m < MT; ++m)
@@ -791,8 +791,9 @@ struct PairedActs : Layout {
     static constexpr bool ACTS_PAIRED = true;
 };
 
-// GEMM 1: h[pos, h_column(j)] = bf16(silu(x · gate_j) * (x · up_j)) for the expert's sorted positions `pos`. A row
-// group covers 16 rows j of gate (m tile 0) and of up (m tile 1). Grid: (I / (16 RGROUPS), active experts).
+// GEMM 1: h[pos, h_column(j)] = bf16(silu(x · gate_j) * (x · up_j)) for the expert's sorted positions
+// `pos`. A row group covers 16 rows j of gate (m tile 0) and of up (m tile 1). Grid: (I / (16 RGROUPS),
+// active experts).
 // The narrow kernel counts each block done in handoff[slot] (rule H).
 template <class Layout, int NT, int KSPLIT, int STAGES, bool ONE, bool WHOLE>
 __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,
@@ -931,10 +932,11 @@ __device__ __forceinline__ void gate_up_kernel(const __nv_bfloat16* x, const uin
     const bool one = NT == 1 && ex.count == 1;
     with_whole_chunks(H, [&](auto whole) {
         constexpr bool WHOLE = decltype(whole)::value;
+        constexpr int KS = GATE_UP_KSPLIT;
         if (one)
-            gate_up<Layout, NT, GATE_UP_KSPLIT, STAGES, NT == 1, WHOLE>(x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
+            gate_up<Layout, NT, KS, STAGES, NT == 1, WHOLE>(x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
         else
-            gate_up<Layout, NT, GATE_UP_KSPLIT, STAGES, false, WHOLE>(x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
+            gate_up<Layout, NT, KS, STAGES, false, WHOLE>(x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
     });
 }
 
@@ -965,10 +967,11 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
         const bool direct = routing.direct, one = NT == 1 && ex.count == 1;  // always one for a direct routing
         with_whole_chunks(I, [&](auto whole) {
             constexpr bool WHOLE = decltype(whole)::value;
+            constexpr int KS = DOWN_KSPLIT;
             if (one)
-                down<Layout, NT, DOWN_KSPLIT, STAGES, NT == 1, WHOLE>(h, w2, w2_scale, H, I, pairs, direct, ex, y, handoff);
+                down<Layout, NT, KS, STAGES, NT == 1, WHOLE>(h, w2, w2_scale, H, I, pairs, direct, ex, y, handoff);
             else
-                down<Layout, NT, DOWN_KSPLIT, STAGES, false, WHOLE>(h, w2, w2_scale, H, I, pairs, direct, ex, y, handoff);
+                down<Layout, NT, KS, STAGES, false, WHOLE>(h, w2, w2_scale, H, I, pairs, direct, ex, y, handoff);
         });
     }
     pdl_wait();  // rule W on every path (a wide block has waited in warp_gemm already; a narrow one only spun)
