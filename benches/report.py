@@ -19,6 +19,12 @@ def median_ns(path):
     return json.loads(path.read_text())["median"]["point_estimate"]
 
 
+def mean_ns(root, group, function, parameter):
+    """criterion's mean of a benchmark's samples (None when absent)."""
+    path = root / group / function / parameter / "new" / "estimates.json"
+    return json.loads(path.read_text())["mean"]["point_estimate"] if path.exists() else None
+
+
 def load(root):
     """{(group, function, parameter): median ns} for every benchmark under root."""
     out = {}
@@ -202,12 +208,16 @@ def moe_table(res, root, group):
     cuBLAS bf16 baseline of the same run."""
     layout = "tiled" if group.endswith("_tiled") else "native"
     lines, ceiling = table_start(res, group, f"moe_int4 ({layout} layout): H 7168, I 2048, 384 experts, top-8")
+    copy_mean = mean_ns(root, "copy", "d2d", group)
+    ceiling_mean = 2 * (1 << 30) / copy_mean if copy_mean else None
     lines += ["GB/s = packed weights + scales of the distinct experts the routing touches, over the time of "
               "the two grouped GEMMs and the combine (`experts`); `step` adds routing and alignment. cuBLAS: the "
               "same experts dequantized to bf16, two GEMMs per active expert (GEMMs only, a lower bound on that "
-              "path).", "",
-              "| T | expert MB | GPU experts | GB/s | % copy | GPU step | cuBLAS bf16 | vs cuBLAS | CPU | CPU vs GPU |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "path). Times are medians of criterion's samples, as in every table; `mean` is the samples' mean "
+              "against the copy's mean, which also counts the samples that the board's power cap slowed.", "",
+              "| T | expert MB | GPU experts | GB/s | % copy | mean | % copy, mean | GPU step | cuBLAS bf16 "
+              "| vs cuBLAS | CPU | CPU vs GPU |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     keys = sorted({p for (g, _, p) in res if g == group}, key=lambda p: params(p)["t"])
     for p in keys:
         gpu = res.get((group, "gpu_experts", p))
@@ -217,8 +227,11 @@ def moe_table(res, root, group):
         gbps = nbytes / gpu if nbytes else None
         step, blas, cpu = (res.get((group, f, p)) for f in ("gpu_step", "cublas_bf16", "cpu"))
         pct = f"{100 * gbps / ceiling:.0f}%" if gbps and ceiling else "–"
+        mean = mean_ns(root, group, "gpu_experts", p)
+        pct_mean = f"{100 * nbytes / mean / ceiling_mean:.0f}%" if nbytes and mean and ceiling_mean else "–"
         lines.append(
             f"| {params(p)['t']} | {nbytes / 1e6:.0f} | {fmt_time(gpu)} | {gbps:.0f} | {pct} | "
+            f"{fmt_time(mean) if mean else '–'} | {pct_mean} | "
             f"{fmt_time(step) if step else '–'} | {fmt_time(blas) if blas else '–'} | {fmt_speedup(blas, gpu)} | "
             f"{fmt_time(cpu) if cpu else '–'} | {fmt_speedup(cpu, gpu)} |")
     return lines
