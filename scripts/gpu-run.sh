@@ -5,6 +5,8 @@
 # TESTS="gpu-pack/tests/NAME ..." limits the tests step to those binaries.
 # Usage: scripts/gpu-run.sh [tests|sanitize|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
 #        (FILTER: a criterion name filter, e.g. bench:mla:gpu_decode runs only those rows)
+#        BENCH_ARGS="..." adds criterion options to every bench, e.g. BENCH_ARGS="--warm-up-time 2
+#        --measurement-time 8" for the sustained runs of BENCHMARKS.md session 23
 #        (default: tests sanitize bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -106,7 +108,8 @@ run_profile_mla() {
 
 run_bench() {
     local name=$1 filter=${2:-}
-    gpu-pack/benches/"$name" --bench $filter >>"$logs/bench-$name.log" 2>&1
+    # shellcheck disable=SC2086  # BENCH_ARGS holds several options
+    gpu-pack/benches/"$name" --bench $filter ${BENCH_ARGS:-} >>"$logs/bench-$name.log" 2>&1
     note "bench $name $filter: exit $?"
     tar -czf "$out/criterion.tar.gz" -C target criterion
 }
