@@ -914,6 +914,19 @@ __device__ __forceinline__ void with_whole_chunks(int cols, F f) {
         f(std::false_type{});
 }
 
+// Calls f(one_path, whole) with both as std::bool_constant: one_path when `one` (an expert with one token,
+// see group_mma) and MAY_BE_ONE, so that kernels of several n8 tiles never instantiate it; whole as in
+// with_whole_chunks(cols).
+template <bool MAY_BE_ONE, class F>
+__device__ __forceinline__ void with_paths(bool one, int cols, F f) {
+    with_whole_chunks(cols, [&](auto whole) {
+        if (MAY_BE_ONE && one)
+            f(std::bool_constant<MAY_BE_ONE>{}, whole);
+        else
+            f(std::false_type{}, whole);
+    });
+}
+
 // Experts with at most 8 tokens take the narrow kernels (one n8 tile, a deep pipeline), the others the
 // wide ones (2 n8 tiles per pass), so the common few-token case keeps its registers and occupancy. Both
 // compute every element with the same operations, so which one serves an expert changes no result.
@@ -930,13 +943,9 @@ __device__ __forceinline__ void gate_up_kernel(const __nv_bfloat16* x, const uin
     if (!aligned_expert(slices, num_active, ex) || (ex.count > 8) != (NT > 1)) return;
     // Most experts of a few-token routing have one token (at T 16, 90 of about 109 on Kimi-K2's 384).
     const bool one = NT == 1 && ex.count == 1;
-    with_whole_chunks(H, [&](auto whole) {
-        constexpr bool WHOLE = decltype(whole)::value;
-        constexpr int KS = GATE_UP_KSPLIT;
-        if (one)
-            gate_up<Layout, NT, KS, STAGES, NT == 1, WHOLE>(x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
-        else
-            gate_up<Layout, NT, KS, STAGES, false, WHOLE>(x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
+    with_paths<NT == 1>(one, H, [&](auto one_path, auto whole) {
+        gate_up<Layout, NT, GATE_UP_KSPLIT, STAGES, decltype(one_path)::value, decltype(whole)::value>(
+            x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
     });
 }
 
@@ -965,13 +974,9 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
     ExpertSlice ex;
     if (block_expert(routing, ex) && (ex.count > 8) == (NT > 1)) {
         const bool direct = routing.direct, one = NT == 1 && ex.count == 1;  // always one for a direct routing
-        with_whole_chunks(I, [&](auto whole) {
-            constexpr bool WHOLE = decltype(whole)::value;
-            constexpr int KS = DOWN_KSPLIT;
-            if (one)
-                down<Layout, NT, KS, STAGES, NT == 1, WHOLE>(h, w2, w2_scale, H, I, pairs, direct, ex, y, handoff);
-            else
-                down<Layout, NT, KS, STAGES, false, WHOLE>(h, w2, w2_scale, H, I, pairs, direct, ex, y, handoff);
+        with_paths<NT == 1>(one, I, [&](auto one_path, auto whole) {
+            down<Layout, NT, DOWN_KSPLIT, STAGES, decltype(one_path)::value, decltype(whole)::value>(
+                h, w2, w2_scale, H, I, pairs, direct, ex, y, handoff);
         });
     }
     pdl_wait();  // rule W on every path (a wide block has waited in warp_gemm already; a narrow one only spun)
