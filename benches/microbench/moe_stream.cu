@@ -129,7 +129,8 @@ __global__ void __launch_bounds__(128, 4)
     const int e = ids[blockIdx.y], j0 = blockIdx.x * 16;
     const GemmArgs<2> args{w13, w13_scale, H, {e * 2 * I + j0, e * 2 * I + I + j0}};
     const uint4* act[1] = {reinterpret_cast<const uint4*>(x) + (threadIdx.x & 3)};
-    Shape::template pass<true>(smem, args, act, 1, true, [] {});  // the one-token loop, as the real kernels'
+    // The one-token loop of whole chunks (H splits into them), as the real kernels run it.
+    Shape::template pass<true, H % 128 == 0>(smem, args, act, 1, true, [] {});
     if (Shape::partials(smem)[threadIdx.x] == 12345.0f) flag[0] = 1;
 }
 
