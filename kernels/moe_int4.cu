@@ -302,17 +302,27 @@ struct StageTile {
 // l % 4 of row l / 4) fall in distinct banks, while each row's copy lands on its own 64 bytes.
 // (Rows padded to 80 bytes instead give the copies destinations that straddle 32-byte sectors, and L2
 // then serves sectors twice: 22.6M sector reads against 17.8M for the gate/up GEMM at T 4 on the H200,
-// and 3-6% more time.)
-struct NativeStage {
-    uint32_t word[16][16];         // [row][swizzled group * 4 + word]
+// and 3-6% more time.) A layout whose scales come in quads (below) stages the rows only.
+struct NativeRows {
+    uint32_t word[16][16];  // [row][swizzled group * 4 + word]
+};
+struct NativeStage : NativeRows {
     __nv_bfloat16 scale[8][2][4];  // [row i][half][group]: row i + 8 * half
 };
 __device__ __forceinline__ int native_swizzle(int row) { return (row >> 1) & 3; }
 
+// The scales of 8 consecutive chunks of a 16-row tile, two quads: a quad's 16 groups of a row are one
+// 32-byte sector of the row's scales. Chunk c keeps its 4 groups of each row in slot c % 8, arranged as a
+// stage's scales (see NativeLayoutT).
+struct ScaleQuads {
+    __nv_bfloat16 scale[8][8][2][4];  // [chunk % 8][row i][half][group]: row i + 8 * half
+};
+
 // A layout's cursor walks one m16 tile's chunks: `stage(dst, ahead)` copies the chunk `ahead` staged
-// chunks past the cursor's into a stage, and `advance` moves the cursor. The chunk loop is unrolled by its
-// stages, so `ahead` is a constant there and every copy's address an immediate offset from the cursor's
-// pointers, which move once per round of stages.
+// chunks past the cursor's into a stage, `read(stage, ahead)` gives a lane that chunk's operands, and
+// `advance` moves the cursor. The chunk loop is unrolled by its stages, so `ahead` is a constant there
+// and every copy's address an immediate offset from the cursor's pointers, which move once per round of
+// stages.
 
 // Checkpoint layout: packed [rows, cols/8] i32, scale [rows, cols/32] bf16. A row's chunk is 64
 // contiguous bytes: lane l copies the 16-byte group l % 4 of rows l / 4 and l / 4 + 8, and lanes 0..15 the
@@ -323,25 +333,36 @@ __device__ __forceinline__ int native_swizzle(int row) { return (row >> 1) & 3; 
 // tiled layout's at 4554; benches/microbench/moe_stream.cu), and the forward is 4-7% faster at T 1-64.
 // The tiled layout's evict-first policy on top of it made T 4-64 4-5% slower: the line's other half
 // leaves L2 before the next K slice reads it.
-struct NativeLayout {
-    typedef NativeStage Stage;
+// QUADS (a warp that walks consecutive chunks: the down GEMM) copies a row's scales a sector at a time,
+// the 16 groups of 4 chunks, into one of two ScaleQuads when it stages the quad's first chunk, instead of 8
+// bytes per row and chunk: each of those copies touched 16 sectors and L1 wavefronts for 128 bytes, 31%
+// of the native down GEMM's wavefronts at T 1 on the H200, and its top stall was the memory-instruction
+// queue. Quad q's slots are used by chunks 4q .. 4q + 3 and rewritten when chunk 4q + 8 is staged, at most
+// STAGES chunks ahead, i.e. after chunk 4q + 3 has been used. Chunks of a K not in whole chunks write
+// their own slot with plain loads.
+template <bool QUADS>
+struct NativeLayoutT {
+    typedef typename std::conditional<QUADS, NativeRows, NativeStage>::type Stage;
     static constexpr bool ACTS_PAIRED = false;  // nibble i of a word is element i (see group_acts)
+    static constexpr size_t SCALE_BYTES = QUADS ? sizeof(ScaleQuads) : 0;  // per cursor (m16 tile)
     const uint4* piece;                // the lane's group of row l / 4 in the current chunk
     const uint4* piece_hi;             // and of row l / 4 + 8
     const uint4* base;                 // a valid address for the zero-filling copies past the last group
-    const __nv_bfloat16* scale_row;    // row l % 16's scales at the chunk's first group
+    const __nv_bfloat16* scale_row;    // row l % 16's scales at the chunk's first group (QUADS: row 0's)
+    ScaleQuads* quads;                 // QUADS: the cursor's scale slots
     int g0, groups, step;              // step: groups from one staged chunk to the next
 
-    __device__ __forceinline__ NativeLayout(const uint32_t* packed, const __nv_bfloat16* scale, int row0, int groups_,
-                                            int chunk, int chunk_step) {
+    __device__ __forceinline__ NativeLayoutT(const uint32_t* packed, const __nv_bfloat16* scale, int row0,
+                                             int groups_, int chunk, int chunk_step, unsigned char* scale_ring) {
         const int lane = threadIdx.x & 31;
         groups = groups_;
-        step = chunk_step * CHUNK_GROUPS;
+        step = QUADS ? CHUNK_GROUPS : chunk_step * CHUNK_GROUPS;  // QUADS: one K slice (BlockShape)
         g0 = chunk * CHUNK_GROUPS;
         base = reinterpret_cast<const uint4*>(packed);
         piece = base + (size_t)(row0 + (lane >> 2)) * groups + g0 + (lane & 3);  // one 16-byte piece per group
         piece_hi = piece + (size_t)8 * groups;
-        scale_row = scale + (size_t)(row0 + (lane & 15)) * groups + g0;
+        scale_row = scale + (size_t)(row0 + (QUADS ? 0 : lane & 15)) * groups + g0;
+        quads = reinterpret_cast<ScaleQuads*>(scale_ring);
     }
 
     template <bool WHOLE>
@@ -351,15 +372,42 @@ struct NativeLayout {
         const int at = 4 * (j ^ native_swizzle(row));  // the same for row + 8
         cp_async16_line(&dst->word[row][at], in ? piece + skip : base, in ? 16 : 0);
         cp_async16_line(&dst->word[row + 8][at], in ? piece_hi + skip : base, in ? 16 : 0);
-        if (lane < 16) {
-            __nv_bfloat16* scales = dst->scale[lane & 7][lane >> 3];
-            if (WHOLE) {
-                cp_async8_line(scales, scale_row + skip);
-            } else {
+        if constexpr (QUADS) {
+            stage_quad<WHOLE>(skip);
+        } else if (lane < 16) {
+            stage_scales<WHOLE>(dst->scale[lane & 7][lane >> 3], scale_row + skip, g);
+        }
+    }
+
+    // A chunk's 4 scales of one row from `src` (its first group, g), zeros past the last group.
+    template <bool WHOLE>
+    __device__ __forceinline__ void stage_scales(__nv_bfloat16* dst, const __nv_bfloat16* src, int g) const {
+        if (WHOLE) {
+            cp_async8_line(dst, src);
+        } else {
 #pragma unroll
-                for (int q = 0; q < CHUNK_GROUPS; ++q)
-                    scales[q] = g + q < groups ? scale_row[skip + q] : __float2bfloat16_rn(0.0f);
+            for (int q = 0; q < CHUNK_GROUPS; ++q) dst[q] = g + q < groups ? src[q] : __float2bfloat16_rn(0.0f);
+        }
+    }
+
+    // QUADS: the scales of the chunk `skip` groups past the cursor's. At a quad's first chunk (whole chunks),
+    // lane l copies the 8 bytes of chunk l % 4 of the quad for rows l / 4 and l / 4 + 8, so 4 lanes read each
+    // row's sector; otherwise lanes 0..15 fill the chunk's own slot, as a stage's scales.
+    template <bool WHOLE>
+    __device__ __forceinline__ void stage_quad(int skip) const {
+        const int lane = threadIdx.x & 31, g = g0 + skip, chunk = g / CHUNK_GROUPS;
+        if (WHOLE) {
+            // A branch, not predicated copies: 3 chunks in 4 skip it.
+            if (__builtin_expect((chunk & 3) == 0, 0)) {
+                const int c = lane & 3, row = lane >> 2;
+                if (g + c * CHUNK_GROUPS >= groups) return;
+                const __nv_bfloat16* src = scale_row + skip + c * CHUNK_GROUPS + (size_t)row * groups;
+                cp_async8_line(quads->scale[(chunk + c) & 7][row][0], src);
+                cp_async8_line(quads->scale[(chunk + c) & 7][row][1], src + (size_t)8 * groups);
             }
+        } else if (lane < 16) {
+            stage_scales<false>(quads->scale[chunk & 7][lane & 7][lane >> 3], scale_row + skip + (size_t)lane * groups,
+                                g);
         }
     }
 
@@ -372,7 +420,7 @@ struct NativeLayout {
 
     // The lane's words of rows r and r + 8 (one per group) and their scales, as the tiled stage gives them:
     // one ldmatrix per 8 rows, whose matrix j is group j (lanes 8j .. 8j + 7 give its rows' addresses).
-    __device__ __forceinline__ static void read(const Stage& s, uint4& lo, uint4& hi, uint4& scales) {
+    __device__ __forceinline__ void read(const Stage& s, int ahead, uint4& lo, uint4& hi, uint4& scales) const {
         const int lane = threadIdx.x & 31, row = lane & 7, j = lane >> 3;
         const uint32_t* piece = &s.word[row][4 * (j ^ native_swizzle(row))];  // the same for row + 8
         uint32_t w[4];
@@ -380,22 +428,29 @@ struct NativeLayout {
         lo = make_uint4(w[0], w[1], w[2], w[3]);
         ldmatrix_x4(w, piece + 8 * 16);
         hi = make_uint4(w[0], w[1], w[2], w[3]);
-        scales = *reinterpret_cast<const uint4*>(&s.scale[lane >> 2][0][0]);
+        if constexpr (QUADS) {
+            const int chunk = g0 / CHUNK_GROUPS + ahead;
+            scales = *reinterpret_cast<const uint4*>(&quads->scale[chunk & 7][lane >> 2][0][0]);
+        } else {
+            scales = *reinterpret_cast<const uint4*>(&s.scale[lane >> 2][0][0]);
+        }
     }
 };
+typedef NativeLayoutT<false> NativeLayout;
 
 // Tiled layout (int4_tile, cpu::moe_int4::tile): each (16-row tile, chunk) is a StageTile image in
 // global memory, so the copy is two 16-byte pieces per lane plus eight for the scales.
 struct TiledLayout {
     typedef StageTile Stage;
     static constexpr bool ACTS_PAIRED = true;  // int4_tile's nibble order (see group_acts)
+    static constexpr size_t SCALE_BYTES = 0;   // the scales travel in the stage
     const uint4* words;   // the lane's first piece of the current chunk
     const uint4* scales;  // the scale piece of lane % 8
     int step;             // chunks from one staged chunk to the next
     u64 policy;           // L2 evict-first: the weights stream past once (T 4-64 1-2% faster on the H200, T 1 the same)
 
     __device__ __forceinline__ TiledLayout(const uint32_t* packed, const __nv_bfloat16* scale, int row0, int groups,
-                                           int chunk, int chunk_step) {
+                                           int chunk, int chunk_step, unsigned char*) {
         step = chunk_step;
         const int lane = threadIdx.x & 31;
         const size_t tile = (size_t)(row0 / 16) * ((groups + CHUNK_GROUPS - 1) / CHUNK_GROUPS) + chunk;
@@ -417,7 +472,7 @@ struct TiledLayout {
         scales += 8 * chunks * step;
     }
 
-    __device__ __forceinline__ static void read(const Stage& s, uint4& lo, uint4& hi, uint4& scales) {
+    __device__ __forceinline__ void read(const Stage& s, int, uint4& lo, uint4& hi, uint4& scales) const {
         const int lane = threadIdx.x & 31;
         lo = s.word[0][lane];
         hi = s.word[1][lane];
@@ -517,16 +572,17 @@ __device__ __forceinline__ uint4 load_act(const uint4* x, int g, int groups) {
     return WHOLE || g < groups ? __ldg(x + g * (GROUP / 8)) : make_uint4(0, 0, 0, 0);
 }
 
-// Multiplies one staged chunk (groups g0 .. g0 + 3) of MT m16 tiles with NT n8 tiles. With one n8 tile
-// the activations come from their stage in `xp`; with more they are loaded here, one group at a time, so
-// they do not all occupy registers at once.
+// Multiplies one staged chunk (groups g0 .. g0 + 3, `ahead` chunks past the cursors') of MT m16 tiles with
+// NT n8 tiles. With one n8 tile the activations come from their stage in `xp`; with more they are loaded
+// here, one group at a time, so they do not all occupy registers at once.
 template <class Layout, int MT, int NT, bool ONE, bool WHOLE>
-__device__ __forceinline__ void chunk_mma(float (&acc)[MT][NT][4], const typename Layout::Stage* tiles,
+__device__ __forceinline__ void chunk_mma(float (&acc)[MT][NT][4], const Layout (&cursor)[MT],
+                                          const typename Layout::Stage* tiles, int ahead,
                                           const uint4 (&xp)[CHUNK_GROUPS], const uint4* const (&act)[NT], int g0,
                                           int groups, const uint32_t (&minus136)[4]) {
     uint4 lo[MT], hi[MT], sv[MT];  // word j of rows r and r + 8 per group j; sv: the scales (read)
 #pragma unroll
-    for (int m = 0; m < MT; ++m) Layout::read(tiles[m], lo[m], hi[m], sv[m]);
+    for (int m = 0; m < MT; ++m) cursor[m].read(tiles[m], ahead, lo[m], hi[m], sv[m]);
 #pragma unroll
     for (int j = 0; j < CHUNK_GROUPS; ++j) {
         GroupActs x[NT];
@@ -584,8 +640,9 @@ struct ActStage {
 template <class Layout, int MT, int NT, int STAGES, bool ONE, bool WHOLE, class WaitInputs>
 __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, const uint4* const (&act)[NT],
                           int tokens, int first, int count, int step, typename Layout::Stage* ring,
-                          ActStage* acts, WaitInputs wait_inputs) {
+                          ActStage* acts, unsigned char* scale_ring, WaitInputs wait_inputs) {
     static_assert(!ONE || NT == 1, "one token fills one n8 tile");
+    static_assert(Layout::SCALE_BYTES == 0 || STAGES <= 4, "a scale quad is rewritten 8 chunks on (NativeLayoutT)");
     const int groups = args.cols / GROUP;
     const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
 #pragma unroll
@@ -594,8 +651,9 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.0f;
-    Layout cursor[MT] = {Layout(args.packed, args.scale, args.row0[0], groups, first, step),
-                         Layout(args.packed, args.scale, args.row0[1], groups, first, step)};
+    Layout cursor[MT] = {Layout(args.packed, args.scale, args.row0[0], groups, first, step, scale_ring),
+                         Layout(args.packed, args.scale, args.row0[1], groups, first, step,
+                                scale_ring + Layout::SCALE_BYTES)};
     static_assert(MT == 2, "the cursors above list two m16 tiles");
     // Copies of the chunk `ahead` chunks past the cursors' into stage `stage` (see the layouts' cursors).
     auto stage_weights = [&](int stage, int ahead) {
@@ -664,7 +722,7 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
                 for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = acts[use].x[j][r][c];
             }
             const int g0 = (first + (i + use) * step) * CHUNK_GROUPS;
-            chunk_mma<Layout, MT, NT, ONE, WHOLE>(acc, ring + use * MT, x, act, g0, groups, minus136);
+            chunk_mma<Layout, MT, NT, ONE, WHOLE>(acc, cursor, ring + use * MT, use, x, act, g0, groups, minus136);
             __syncwarp();  // every lane is done with the stage before it is refilled
             if (i + use + STAGES < count) {
                 stage_weights(use, use + STAGES);
@@ -722,17 +780,23 @@ __device__ __forceinline__ int frag_row(int lane, int i) { return (lane >> 2) + 
 __device__ __forceinline__ int frag_col(int n, int lane, int i) { return n * 8 + 2 * (lane & 3) + (i & 1); }
 
 // A block's geometry: WARPS = KSPLIT warps splitting K by interleaved chunks x RGROUPS row groups of
-// MT m16 tiles. Shared memory: the warps' stage rings, then the partial sums [KSPLIT][RGROUPS][frag].
+// MT m16 tiles. Shared memory: the warps' weight stage rings, activation stage rings (one n8 tile) and
+// scale rings (layouts that stage scales apart, NativeLayoutT), then, with K split over several warps, the
+// partial sums [KSPLIT][RGROUPS][frag]. With one K slice each warp's accumulators are its row group's
+// results, which the kernel stores from registers.
 template <class Layout, int MT, int NT, int KSPLIT, int STAGES>
 struct BlockShape {
     typedef typename Layout::Stage Stage;
     static constexpr int WARPS = gemm_warps(NT, KSPLIT), THREADS = WARPS * 32;
     static constexpr int RGROUPS = WARPS / KSPLIT;
     static constexpr int FRAG = MT * NT * 128;  // accumulators of one warp
+    static constexpr bool PARTIALS = KSPLIT > 1;
     static constexpr size_t WEIGHT_RING_BYTES = (size_t)WARPS * STAGES * MT * sizeof(Stage);
     static constexpr size_t ACT_RING_BYTES = NT == 1 ? (size_t)WARPS * STAGES * sizeof(ActStage) : 0;
-    static constexpr size_t RING_BYTES = WEIGHT_RING_BYTES + ACT_RING_BYTES;
-    static constexpr size_t SHARED_BYTES = RING_BYTES + (size_t)WARPS * FRAG * sizeof(float);
+    static constexpr size_t SCALE_RING_BYTES = (size_t)WARPS * MT * Layout::SCALE_BYTES;
+    static constexpr size_t RING_BYTES = WEIGHT_RING_BYTES + ACT_RING_BYTES + SCALE_RING_BYTES;
+    static constexpr size_t SHARED_BYTES = RING_BYTES + (PARTIALS ? (size_t)WARPS * FRAG * sizeof(float) : 0);
+    static_assert(Layout::SCALE_BYTES == 0 || KSPLIT == 1, "scale quads need a warp's chunks to be consecutive");
 
     __device__ static Stage* ring(unsigned char* smem) {
         return reinterpret_cast<Stage*>(smem) + (threadIdx.x >> 5) * STAGES * MT;
@@ -740,22 +804,24 @@ struct BlockShape {
     __device__ static ActStage* act_ring(unsigned char* smem) {
         return reinterpret_cast<ActStage*>(smem + WEIGHT_RING_BYTES) + (threadIdx.x >> 5) * STAGES;
     }
-    __device__ static float* partials(unsigned char* smem) { return reinterpret_cast<float*>(smem + RING_BYTES); }
+    __device__ static unsigned char* scale_ring(unsigned char* smem) {
+        return smem + WEIGHT_RING_BYTES + ACT_RING_BYTES + (size_t)(threadIdx.x >> 5) * MT * Layout::SCALE_BYTES;
+    }
 
-    // Runs the warp's share of a pass and leaves its accumulators in the partials.
+    // Runs the warp's share of a pass into `acc` and, with several K slices, leaves it in the partials.
     // A row group past the matrix (`rows_valid` false) computes nothing but still reaches the barriers.
     template <bool ONE, bool WHOLE, class WaitInputs>
     __device__ static void pass(unsigned char* smem, const GemmArgs<MT>& args, const uint4* const (&act)[NT],
-                                int tokens, bool rows_valid, WaitInputs wait_inputs) {
+                                int tokens, bool rows_valid, WaitInputs wait_inputs, float (&acc)[MT][NT][4]) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kslice = warp % KSPLIT;
         const int chunks = (args.cols / GROUP + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
         // The K slices interleave by chunk (slice s takes chunks s, s + KSPLIT, ...), so a block's warps
         // read neighbouring chunks at about the same time.
         const int count = rows_valid ? (chunks - kslice + KSPLIT - 1) / KSPLIT : 0;
-        float acc[MT][NT][4];
         warp_gemm<Layout, MT, NT, STAGES, ONE, WHOLE>(acc, args, act, tokens, kslice, count, KSPLIT, ring(smem),
-                                                      act_ring(smem), wait_inputs);
-        float* out = partials(smem) + (size_t)warp * FRAG;
+                                                      act_ring(smem), scale_ring(smem), wait_inputs);
+        if (!PARTIALS) return;
+        float* out = reinterpret_cast<float*>(smem + RING_BYTES) + (size_t)warp * FRAG;
 #pragma unroll
         for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -766,6 +832,7 @@ struct BlockShape {
 
     // Row group `rg`'s element idx summed over the K slices in order (warp w = rg * KSPLIT + kslice).
     __device__ static float sum(const unsigned char* smem, int rg, int idx) {
+        static_assert(PARTIALS, "one K slice keeps its results in registers");
         const float* p = reinterpret_cast<const float*>(smem + RING_BYTES) + (size_t)rg * KSPLIT * FRAG + idx;
         float s = p[0];
 #pragma unroll
@@ -784,11 +851,20 @@ __device__ __forceinline__ int h_column(int j) {
     return (j & ~7) | (e < 4 ? 2 * e : 2 * e - 7);
 }
 
-// The down GEMM's view of a layout: its activations, h, come in pair order (h_column).
+// The down GEMM's view of a layout: its activations, h, come in pair order (h_column), and its one K slice
+// walks consecutive chunks, so the native layout stages the scales by quads.
 template <class Layout>
 struct PairedActs : Layout {
     using Layout::Layout;
     static constexpr bool ACTS_PAIRED = true;
+};
+template <class Layout>
+struct DownView {
+    typedef PairedActs<Layout> type;
+};
+template <>
+struct DownView<NativeLayout> {
+    typedef PairedActs<NativeLayoutT<true>> type;
 };
 
 // GEMM 1: h[pos, h_column(j)] = bf16(silu(x · gate_j) * (x · up_j)) for the expert's sorted positions
@@ -813,7 +889,8 @@ __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __r
             const int token = t == 0 ? ex.first_token : sorted_pairs[ex.begin + t] / k;
             act[n] = reinterpret_cast<const uint4*>(x + (size_t)token * H) + (lane & 3);
         }
-        Shape::template pass<ONE, WHOLE>(smem, args, act, min(ex.count - t0, NT * 8), true, [] { pdl_wait(); });
+        float acc[2][NT][4];
+        Shape::template pass<ONE, WHOLE>(smem, args, act, min(ex.count - t0, NT * 8), true, [] { pdl_wait(); }, acc);
         __syncthreads();
         for (int idx = threadIdx.x; idx < Shape::RGROUPS * NT * 128; idx += Shape::THREADS) {
             const int g = idx / (NT * 128), e = idx % (NT * 128);
@@ -852,9 +929,10 @@ template <class Layout, int NT, int KSPLIT, int STAGES, bool ONE, bool WHOLE>
 __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,
                      const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int* __restrict__ sorted_pairs,
                      bool direct, const ExpertSlice& ex, float* __restrict__ y, int* __restrict__ handoff) {
-    typedef BlockShape<PairedActs<Layout>, 2, NT, KSPLIT, STAGES> Shape;
+    typedef BlockShape<typename DownView<Layout>::type, 2, NT, KSPLIT, STAGES> Shape;
+    static_assert(!Shape::PARTIALS, "each warp is a row group: its results are stored from its registers");
     extern __shared__ __align__(16) unsigned char smem[];
-    const int lane = threadIdx.x & 31, rg = (threadIdx.x >> 5) / KSPLIT;
+    const int lane = threadIdx.x & 31, rg = threadIdx.x >> 5;
     const int r0 = (blockIdx.x * Shape::RGROUPS + rg) * 32;
     const GemmArgs<2> args{w2, w2_scale, I, {ex.expert * H + r0, ex.expert * H + r0 + 16}};
     for (int t0 = 0; t0 < ex.count; t0 += NT * 8) {
@@ -865,26 +943,29 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
             act[n] = reinterpret_cast<const uint4*>(h + (size_t)(ex.begin + t) * I) + (lane & 3);
         }
         const int gate_up_blocks = (I + 15) / 16;  // the narrow gate/up grid's rows (asserted below)
-        Shape::template pass<ONE, WHOLE>(smem, args, act, min(ex.count - t0, NT * 8), r0 < H, [&] {
-            if constexpr (NT == 1) {
-                static_assert(KSPLIT == 1 && Shape::WARPS == 1, "one warp per narrow down block: each counts once");
-                wait_for_expert(handoff, gate_up_blocks);
-            } else {
-                pdl_wait();
-            }
-        });
-        __syncthreads();
-        for (int idx = threadIdx.x; idx < Shape::RGROUPS * Shape::FRAG; idx += Shape::THREADS) {
-            const int g = idx / Shape::FRAG, e = idx % Shape::FRAG;
-            const int m = e / (NT * 128), n = (e / 128) % NT, l = (e / 4) & 31, i = e & 3;
-            const int t = t0 + frag_col(n, l, i);
-            if (t >= ex.count) continue;
-            const int row = (blockIdx.x * Shape::RGROUPS + g) * 32 + m * 16 + frag_row(l, i);
-            if (row >= H) continue;
-            const int pair = direct ? ex.begin + t : sorted_pairs[ex.begin + t];
-            y[(size_t)pair * H + row] = Shape::sum(smem, g, e);
-        }
-        __syncthreads();
+        float acc[2][NT][4];
+        Shape::template pass<ONE, WHOLE>(
+            smem, args, act, min(ex.count - t0, NT * 8), r0 < H,
+            [&] {
+                if constexpr (NT == 1) {
+                    static_assert(KSPLIT == 1 && Shape::WARPS == 1, "one warp per narrow down block: each counts once");
+                    wait_for_expert(handoff, gate_up_blocks);
+                } else {
+                    pdl_wait();
+                }
+            },
+            acc);
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int t = t0 + frag_col(n, lane, i), row = r0 + m * 16 + frag_row(lane, i);
+                    if (t >= ex.count || row >= H) continue;
+                    const int pair = direct ? ex.begin + t : sorted_pairs[ex.begin + t];
+                    y[(size_t)pair * H + row] = acc[m][n][i];
+                }
     }
 }
 
@@ -892,12 +973,12 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
 // splits K = H over 4 warps (14 chunks each at Kimi-K2 sizes) for a row group of 16 h rows; down gives
 // each warp a whole row group of 32 output rows and all of K = I (16 chunks), so a narrow down block is
 // one warp and needs no partial sums. Small blocks balance the SMs: at one token (8 experts) the narrow
-// down GEMM has 1792 one-warp blocks of 37 KB, 13 or 14 per SM, where 256-row blocks of 8 K-split warps
-// gave 224 blocks of 295 KB, 1 or 2 per SM (18% over the mean; Nsight Compute: 46% of DRAM bandwidth).
-// Against 4 K slices for down, one slice took T 16 from 784 to 765 us and T 256 from 3.79 to 3.43 ms
-// and left T <= 8 within 1% (session 12, tiled). The narrow kernels stage 3 chunks of weights and
-// activations per warp (13 KB with the tiled stages): four 4-warp gate/up blocks or 15 one-warp down
-// blocks fit an SM's 228 KB (three gate/up blocks with the larger native stages).
+// down GEMM has 1792 one-warp blocks, 13-14 per SM, where 256-row blocks of 8 K-split warps gave 224
+// blocks, 1 or 2 per SM (18% over the mean; Nsight Compute: 46% of DRAM bandwidth). Against 4 K slices
+// for down, one slice took T 16 from 784 to 765 us and T 256 from 3.79 to 3.43 ms and left T <= 8 within
+// 1% (session 12, tiled). The narrow kernels stage 3 chunks of weights and activations per warp: four
+// 4-warp gate/up blocks (55 KB) or 15-16 one-warp down blocks (13 KB, the native ones 14 KB with their
+// scale quads) fit an SM's 228 KB, as many as the 128 registers of their threads allow.
 constexpr int GATE_UP_KSPLIT = 4;
 constexpr int DOWN_KSPLIT = 1;
 constexpr int NARROW_STAGES = 3;
@@ -1028,14 +1109,15 @@ template <class Layout>
 constexpr bool fits_shared() {
     return BlockShape<Layout, 2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::SHARED_BYTES <= 99 * 1024 &&
            BlockShape<Layout, 2, 2, GATE_UP_KSPLIT, WIDE_STAGES>::SHARED_BYTES <= 99 * 1024 &&
-           BlockShape<Layout, 2, 1, DOWN_KSPLIT, NARROW_STAGES>::SHARED_BYTES <= 99 * 1024 &&
-           BlockShape<Layout, 2, 2, DOWN_KSPLIT, WIDE_STAGES>::SHARED_BYTES <= 99 * 1024;
+           BlockShape<typename DownView<Layout>::type, 2, 1, DOWN_KSPLIT, NARROW_STAGES>::SHARED_BYTES <= 99 * 1024 &&
+           BlockShape<typename DownView<Layout>::type, 2, 2, DOWN_KSPLIT, WIDE_STAGES>::SHARED_BYTES <= 99 * 1024;
 }
 static_assert(fits_shared<NativeLayout>() && fits_shared<TiledLayout>(), "GEMM shared memory over 99 KB");
 static_assert(BlockShape<TiledLayout, 2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::RGROUPS == 1 &&
                   BlockShape<NativeLayout, 2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::RGROUPS == 1,
               "a narrow gate/up block is one 16-row group: the down GEMM waits for ceil(I / 16) of them (rule H)");
-static_assert(sizeof(NativeStage) == 1152, "src/cuda/moe_int4.rs sizes the native stages");
+static_assert(sizeof(NativeStage) == 1152 && sizeof(NativeRows) == 1024 && sizeof(ScaleQuads) == 1024,
+              "src/cuda/moe_int4.rs sizes the native stages and scale quads");
 static_assert(sizeof(StageTile) == 1152, "StageTile is the tiled layout's chunk image");
 static_assert(sizeof(ActStage) == 2048, "src/cuda/moe_int4.rs sizes the activation stages");
 

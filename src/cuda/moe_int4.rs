@@ -45,10 +45,14 @@ const fn gemm_warps(wide: bool, ksplit: usize) -> usize {
         ksplit
     }
 }
-/// Bytes of one staged (16-row tile, chunk) in shared memory, the same in both layouts: the tiled
-/// layout's chunk image, or the native layout's 16 unpadded rows of 64 bytes, both followed by the 16
-/// rows' scales (kernels/moe_int4.cu StageTile, NativeStage).
+/// Bytes of one staged (16-row tile, chunk) in shared memory: the tiled layout's chunk image, or the
+/// native layout's 16 unpadded rows of 64 bytes, both followed by the 16 rows' scales (kernels/moe_int4.cu
+/// StageTile, NativeStage); the native down GEMM stages the rows only (NativeRows) and keeps its scales in
+/// scale quads of [`NATIVE_SCALE_QUADS_BYTES`] per tile.
 const STAGE_TILE_BYTES: usize = 1152;
+const NATIVE_ROWS_BYTES: usize = 1024;
+/// The scales of 8 consecutive chunks of one 16-row tile (kernels/moe_int4.cu ScaleQuads).
+const NATIVE_SCALE_QUADS_BYTES: usize = 1024;
 /// Bytes of one chunk's activations for one n8 tile (kernels/moe_int4.cu ActStage).
 const ACT_STAGE_BYTES: usize = 2048;
 const ALIGN_THREADS: u32 = 512;
@@ -57,25 +61,26 @@ const ROUTE_THREADS: u32 = MAX_EXPERTS as u32;
 /// Tokens per expert served by the narrow GEMM kernels (one n8 MMA tile); more go to the wide ones.
 const NARROW_TOKENS: usize = 8;
 
-/// Dynamic shared memory of a GEMM kernel: each warp's ring of weight stages (2 m16 tiles per stage),
-/// for the narrow kernels each warp's ring of activation stages (2 KB each), and the warps' partial sums
-/// (2 m16 tiles x n8 tiles x 128 floats). Must match BlockShape in the kernel.
-const fn gemm_shared_bytes(wide: bool, ksplit: usize) -> usize {
-    let (stages, n_tiles, act_stage) = if wide { (2, 2, 0) } else { (3, 1, ACT_STAGE_BYTES) };
-    let warps = gemm_warps(wide, ksplit);
-    warps * stages * (2 * STAGE_TILE_BYTES + act_stage) + warps * 2 * n_tiles * 128 * 4
-}
-
-/// Shared memory of the gate/up (`down` false) or down GEMM.
+/// Dynamic shared memory of the gate/up (`down` false) or down GEMM: each warp's ring of weight stages
+/// (2 m16 tiles per stage), for the narrow kernels each warp's ring of activation stages (2 KB each), the
+/// native down GEMM's scale quads, and with K split over several warps their partial sums (2 m16 tiles x
+/// n8 tiles x 128 floats). Must match BlockShape in the kernel.
 pub(crate) const fn gemm_shared_bytes_of(down: bool, wide: bool) -> usize {
-    gemm_shared_bytes(wide, if down { DOWN_KSPLIT } else { GATE_UP_KSPLIT })
+    let ksplit = if down { DOWN_KSPLIT } else { GATE_UP_KSPLIT };
+    let (stages, n_tiles, act_stage) = if wide { (2, 2, 0) } else { (3, 1, ACT_STAGE_BYTES) };
+    let quads = down && matches!(LAYOUT, Int4Layout::Native);
+    let (stage, scales) = if quads { (NATIVE_ROWS_BYTES, NATIVE_SCALE_QUADS_BYTES) } else { (STAGE_TILE_BYTES, 0) };
+    let warps = gemm_warps(wide, ksplit);
+    let partials = if ksplit > 1 { warps * 2 * n_tiles * 128 * 4 } else { 0 };
+    warps * (stages * (2 * stage + act_stage) + 2 * scales) + partials
 }
 
 /// Launch geometry of a GEMM over `rows` weight rows: grid rows, threads and shared memory.
-fn gemm_geometry(rows: usize, group_rows: usize, ksplit: usize, wide: bool) -> (u32, u32, u32) {
+fn gemm_geometry(rows: usize, group_rows: usize, down: bool, wide: bool) -> (u32, u32, u32) {
+    let ksplit = if down { DOWN_KSPLIT } else { GATE_UP_KSPLIT };
     let warps = gemm_warps(wide, ksplit);
     let block_rows = group_rows * warps / ksplit;
-    (rows.div_ceil(block_rows) as u32, (warps * 32) as u32, gemm_shared_bytes(wide, ksplit) as u32)
+    (rows.div_ceil(block_rows) as u32, (warps * 32) as u32, gemm_shared_bytes_of(down, wide) as u32)
 }
 
 const STATUS_BAD_LOGIT: i32 = 1;
@@ -473,7 +478,7 @@ impl MoePlan {
         let direct = self.direct();
         let (name, f) = if direct { gpu.kernels.moe_gate_up_direct() } else { gpu.kernels.moe_gate_up(wide) };
         let (h, i, k) = (self.shape.hidden as i32, self.shape.inter as i32, self.k as i32);
-        let (grid_rows, threads, shared) = gemm_geometry(self.shape.inter, GATE_UP_GROUP_ROWS, GATE_UP_KSPLIT, wide);
+        let (grid_rows, threads, shared) = gemm_geometry(self.shape.inter, GATE_UP_GROUP_ROWS, false, wide);
         let cfg =
             LaunchConfig { grid_dim: (grid_rows, blocks, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
         let mut a = KernelArgs::new(gpu);
@@ -505,7 +510,7 @@ impl MoePlan {
     fn launch_down(&mut self, gpu: &Gpu, experts: &DeviceExperts, blocks: u32, wide: bool) -> Result<()> {
         let (name, f) = gpu.kernels.moe_down(wide);
         let (h, i) = (self.shape.hidden as i32, self.shape.inter as i32);
-        let (grid_rows, threads, shared) = gemm_geometry(self.shape.hidden, DOWN_GROUP_ROWS, DOWN_KSPLIT, wide);
+        let (grid_rows, threads, shared) = gemm_geometry(self.shape.hidden, DOWN_GROUP_ROWS, true, wide);
         let cfg =
             LaunchConfig { grid_dim: (grid_rows, blocks, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
         let mut a = KernelArgs::new(gpu);
