@@ -3,7 +3,8 @@
 # call (separate calls may land on different machines, which moves the same binary by a few percent).
 # Each round runs every variant once, in the order given; criterion's mean estimate of each row is
 # printed per variant and round, and the logs go to $OUT/ab.
-# Usage: scripts/gpu-ab.sh FILTER NAME... (ROUNDS=2 by default; FILTER is a criterion name filter)
+# Usage: scripts/gpu-ab.sh FILTER NAME... (ROUNDS=2 by default; FILTER is a criterion name filter;
+#        BENCH_ARGS adds criterion options, as in scripts/gpu-run.sh)
 #   e.g. scripts/gpu-ab.sh 'gpu_experts/t(1|4|16)$' before after
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +21,8 @@ done
 for round in $(seq "${ROUNDS:-2}"); do
     for name in "$@"; do
         log=$out/$name-$round.log
-        "gpu-pack/variants/$name" --bench "$filter" --noplot >"$log" 2>&1
+        # shellcheck disable=SC2086  # BENCH_ARGS holds several options
+        "gpu-pack/variants/$name" --bench "$filter" --noplot ${BENCH_ARGS:-} >"$log" 2>&1
         echo "$name round $round: $(awk '/^[a-z_0-9]+\// {id = $1}
             /time:/ && !/%/ {for (i = 1; i <= NF; i++) if ($i == "time:") printf "%s %s %s | ", id, $(i + 3), $(i + 4)}' "$log")"
     done
