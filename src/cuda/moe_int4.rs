@@ -290,6 +290,9 @@ pub struct MoePlan {
     handoff: CudaSlice<i32>,
     num_active: CudaSlice<i32>,
     status: CudaSlice<i32>,
+    /// The native layout's gate/up input: x with each 8 elements in the order 0 4 1 5 2 6 3 7
+    /// (kernels/moe_int4.cu moe_pair_acts); empty for the tiled layout, whose GEMMs read x as it is.
+    x_pairs: CudaSlice<bf16>,
     h: CudaSlice<bf16>,
     y: CudaSlice<f32>,
 }
@@ -327,6 +330,7 @@ impl MoePlan {
             handoff: gpu.zeros(2 * MAX_EXPERTS)?,
             num_active: gpu.zeros(1)?,
             status: gpu.zeros(1)?,
+            x_pairs: gpu.zeros(if LAYOUT == Int4Layout::Native { max_tokens * shape.hidden } else { 1 })?,
             h: gpu.zeros(pairs * shape.inter)?,
             y: gpu.zeros(pairs * shape.hidden)?,
         })
@@ -439,6 +443,9 @@ impl MoePlan {
         check_len("out", out.len(), &[("T", tokens), ("H", h_dim)])?;
         check_aligned("x", x.device_ptr(gpu.stream()).0, 16)?;
         let blocks = self.shape.count.min(tokens * self.k) as u32;
+        if LAYOUT == Int4Layout::Native {
+            self.pair_acts(gpu, x)?;
+        }
         // With one token each routing slot is one expert with one pair, so only the narrow GEMMs run.
         let widths: &[bool] =
             if self.max_per_expert > NARROW_TOKENS && !self.direct() { &[false, true] } else { &[false] };
@@ -467,6 +474,16 @@ impl MoePlan {
         gpu.launch_ex("moe_combine", &gpu.kernels.moe_combine, cfg, &mut a, true)
     }
 
+    /// Queues `x_pairs` = `x` in the native GEMMs' activation order.
+    fn pair_acts(&mut self, gpu: &Gpu, x: &CudaView<bf16>) -> Result<()> {
+        let pieces = self.tokens * self.shape.hidden / 8;
+        let cfg =
+            LaunchConfig { grid_dim: (pieces.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut a = KernelArgs::new(gpu);
+        a.ptr(x).val(pieces as i32).ptr_mut(&mut self.x_pairs);
+        gpu.launch_ex("moe_pair_acts", &gpu.kernels.moe_pair_acts, cfg, &mut a, true)
+    }
+
     fn launch_gate_up(
         &mut self,
         gpu: &Gpu,
@@ -482,7 +499,12 @@ impl MoePlan {
         let cfg =
             LaunchConfig { grid_dim: (grid_rows, blocks, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
         let mut a = KernelArgs::new(gpu);
-        a.ptr(x).ptr(&experts.w13.packed).ptr(&experts.w13.scale).val(h).val(i);
+        if LAYOUT == Int4Layout::Native {
+            a.ptr(&self.x_pairs);
+        } else {
+            a.ptr(x);
+        }
+        a.ptr(&experts.w13.packed).ptr(&experts.w13.scale).val(h).val(i);
         if direct {
             a.ptr(&self.topk_ids).val(self.shape.count as i32);
         } else {
