@@ -13,10 +13,11 @@
 //   native-ks8:    native with 8 K-slice warps a block (7 chunks each, 2 blocks an SM): 512 bytes of a row
 //                  per round of the block instead of 256
 //   tiled:         one 1152-byte chunk image per tile (TiledLayout), interleaved K slices
+//   native-pairs:  native-pf128's copies in stages of two neighbouring chunks (narrow_gate_up_pairs)
 // (All without the L2 evict-first hint that TiledLayout's copies carry.)
 // Each pattern runs over 128 experts (16384 blocks: the start and end of the grid weigh little) and, for
-// tiled and native-pf128, over 8 (1024 blocks in 1.94 waves of 528, as a one-token forward's gate/up GEMM;
-// each launch takes the next 8 of the 128, so that none finds its experts in L2).
+// tiled, native-pf128 and native-pairs, over 8 (1024 blocks in 1.94 waves of 528, as a one-token forward's
+// gate/up GEMM; each launch takes the next 8 of the 128, so that none finds its experts in L2).
 // Last, the real one-token gate/up kernels (kernels/moe_int4.cu moe_gate_up_direct_*, launched plainly,
 // without the down GEMM after them) on the same 8-expert grid and bytes, so that the difference from the
 // copies-only rows is what their dequantization, MMAs and epilogue cost there; and their chunk loops alone
@@ -135,6 +136,67 @@ __global__ void __launch_bounds__(128, 4)
     if (reinterpret_cast<const float*>(smem + Shape::RING_BYTES)[threadIdx.x] == 12345.0f) flag[0] = 1;
 }
 
+// native-pairs: the native copies with the L2 prefetch size of native-pf128, but each warp stages two
+// neighbouring chunks at a time (128 bytes of each row, a whole line, and 16 bytes of its scales) in a
+// 2-stage ring of such pairs (4 chunks in flight against the others' 3), and the K slices interleave by
+// pair (warp k: pairs k, k + 4, ...): the copies a native GEMM would make with two-chunk stages.
+constexpr int PAIR_STAGES = 2, PAIR_STAGE_BYTES = 2 * 2304 + 512;  // 2 tiles x (16 rows x 144 B), activations
+template <int KS = 4>
+__global__ void __launch_bounds__(32 * KS) narrow_gate_up_pairs(const uint4* w, const uint16_t* sc, const uint4* x,
+                                                             int work, uint32_t* out) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    constexpr int PER_WARP = CHUNKS / 2 / KS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    uint8_t* ring = smem + warp * PAIR_STAGES * PAIR_STAGE_BYTES;
+    const uint4* ew = w + blockIdx.y * EXPERT_PIECES;
+    const uint16_t* es = sc + blockIdx.y * EXPERT_SCALES;
+    auto issue = [&](int i, int st) {
+        if (i < PER_WARP) {
+            const int q = 2 * (i * KS + warp);  // the pair's first chunk
+            for (int m = 0; m < 2; ++m) {
+                const int row0 = m * I + blockIdx.x * 16;
+                uint8_t* dst = ring + st * PAIR_STAGE_BYTES + m * 2304;
+                for (int k = 0; k < 4; ++k) {  // 8 lanes a row: one 128-byte line each
+                    const int t = 32 * k + lane, row = t >> 3, piece = t & 7;
+                    const uint4* src = ew + (size_t)(row0 + row) * ROW_PIECES + 4 * q + piece;
+                    copy_piece<128>(dst + 128 * row + 16 * piece, src);
+                }
+                if (lane < 16)
+                    kdt::cp_async16_line(dst + 2048 + 16 * lane, es + (size_t)(row0 + lane) * GROUPS + 4 * q, 16);
+            }
+            if (lane < 8) {
+                for (int g = 0; g < 4; ++g)
+                    cp_async16(ring + st * PAIR_STAGE_BYTES + 4608 + 64 * g + 16 * (lane & 3) + 256 * (lane >> 2),
+                               x + (4 * (q + (lane >> 2)) + g) * 4 + (lane & 3), 16);
+            }
+        }
+        cp_async_commit();
+    };
+    for (int s = 0; s < PAIR_STAGES; ++s) issue(s, s);
+    uint32_t acc = 0;
+    float f0 = lane, f1 = 1.0f, f2 = 2.0f, f3 = 3.0f;
+    for (int i = 0; i < PER_WARP; ++i) {
+        cp_async_wait<PAIR_STAGES - 1>();
+        __syncwarp();
+        const int st = i % PAIR_STAGES;
+        for (int c = 0; c < 2; ++c) {
+            const uint4 a = *reinterpret_cast<const uint4*>(ring + st * PAIR_STAGE_BYTES + 1024 * c + 16 * lane);
+            const uint4 b = *reinterpret_cast<const uint4*>(ring + st * PAIR_STAGE_BYTES + 2304 + 1024 * c + 16 * lane);
+            acc ^= a.x ^ a.w ^ b.y ^ b.z;
+            for (int k = 0; k < work; ++k) {
+                f0 = fmaf(f0, 1.0001f, 0.5f);
+                f1 = fmaf(f1, 1.0001f, 0.5f);
+                f2 = fmaf(f2, 1.0001f, 0.5f);
+                f3 = fmaf(f3, 1.0001f, 0.5f);
+            }
+        }
+        __syncwarp();
+        issue(i + PAIR_STAGES, st);
+    }
+    cp_async_wait<0>();
+    if (acc == 0x12345678u || f0 + f1 + f2 + f3 == 0.0f) out[0] = acc;
+}
+
 // The kernels' one-token gate/up GEMMs, and their chunk loops alone, over 8 experts a launch (the next 8
 // at every launch), reading the same buffers as their own layout: any nibbles and scales do for timing.
 template <class Time>
@@ -213,7 +275,9 @@ int main() {
     run("native-pf256", narrow_gate_up<NATIVE_PF256>);
     run("native-ks8", narrow_gate_up<NATIVE_KS8>, 256);
     run("tiled", narrow_gate_up<TILED>);
+    run("native-pairs", narrow_gate_up_pairs<>);
     run("native-pf128", narrow_gate_up<NATIVE_PF128>, 128, 8);
+    run("native-pairs", narrow_gate_up_pairs<>, 128, 8);
     run("tiled", narrow_gate_up<TILED>, 128, 8);
     real_gate_up(w, sc, x, time);
     return 0;
