@@ -325,6 +325,11 @@ struct ScaleQuads {
     __nv_bfloat16 scale[8][8][2][4];  // [chunk % 8][row i][half][group]: row i + 8 * half
 };
 
+// cp_async8_line (kernels/common.cuh) to a shared-memory address.
+__device__ __forceinline__ void cp_async8_line_at(uint32_t dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
+}
+
 // A layout's cursor walks one m16 tile's chunks: `stage(dst, ahead)` copies the chunk `ahead` staged
 // chunks past the cursor's into a stage, `read(stage, ahead)` gives a lane that chunk's operands, and
 // `advance` moves the cursor. The chunk loop is unrolled by its stages, so `ahead` is a constant there
@@ -356,8 +361,10 @@ struct NativeLayoutT {
     const uint4* piece;                // the lane's group of row l / 4 in the current chunk
     const uint4* piece_hi;             // and of row l / 4 + 8
     const uint4* base;                 // a valid address for the zero-filling copies past the last group
-    const __nv_bfloat16* scale_row;    // row l % 16's scales at the chunk's first group (QUADS: row 0's)
+    const __nv_bfloat16* scale_row;    // row l % 16's scales at the chunk's first group (QUADS: see stage_quad)
     ScaleQuads* quads;                 // QUADS: the cursor's scale slots
+    const __nv_bfloat16* scale_hi;     // QUADS: scale_row 8 rows on
+    uint32_t quad_copy, quad_read;     // QUADS: shared addresses of the lane's copy slot and read row, slot 0
     int g0, groups, step;              // step: groups from one staged chunk to the next
 
     __device__ __forceinline__ NativeLayoutT(const uint32_t* packed, const __nv_bfloat16* scale, int row0,
@@ -369,8 +376,12 @@ struct NativeLayoutT {
         base = reinterpret_cast<const uint4*>(packed);
         piece = base + (size_t)(row0 + (lane >> 2)) * groups + g0 + (lane & 3);  // one 16-byte piece per group
         piece_hi = piece + (size_t)8 * groups;
-        scale_row = scale + (size_t)(row0 + (QUADS ? 0 : lane & 15)) * groups + g0;
+        scale_row = QUADS ? scale + (size_t)(row0 + (lane >> 2)) * groups + g0 + CHUNK_GROUPS * (lane & 3)
+                          : scale + (size_t)(row0 + (lane & 15)) * groups + g0;
+        scale_hi = scale_row + (size_t)8 * groups;
         quads = reinterpret_cast<ScaleQuads*>(scale_ring);
+        quad_copy = smem_addr(quads->scale[lane & 3][lane >> 2]);
+        quad_read = smem_addr(quads->scale[0][lane >> 2]);
     }
 
     template <bool WHOLE>
@@ -399,23 +410,21 @@ struct NativeLayoutT {
     }
 
     // QUADS: the scales of the chunk `skip` groups past the cursor's. At a quad's first chunk (whole chunks),
-    // lane l copies the 8 bytes of chunk l % 4 of the quad for rows l / 4 and l / 4 + 8, so 4 lanes read each
-    // row's sector; otherwise lanes 0..15 fill the chunk's own slot, as a stage's scales.
+    // lane l copies the 8 bytes of chunk l % 4 of the quad for rows l / 4 and l / 4 + 8 (scale_row points at
+    // the first), so 4 lanes read each row's sector; otherwise lanes 0..15 fill the chunk's own slot, as a
+    // stage's scales. The addresses are a lane's constants plus the quad's parity (slots 4..7: 512 bytes on).
     template <bool WHOLE>
     __device__ __forceinline__ void stage_quad(int skip) const {
-        const int lane = threadIdx.x & 31, g = g0 + skip, chunk = g / CHUNK_GROUPS;
+        const int lane = threadIdx.x & 31, g = g0 + skip;
         if (WHOLE) {
-            // Unlikely (3 chunks in 4 skip it), though ptxas predicates the copies all the same.
-            if (__builtin_expect((chunk & 3) == 0, 0)) {
-                const int c = lane & 3, row = lane >> 2;
-                if (g + c * CHUNK_GROUPS >= groups) return;
-                const __nv_bfloat16* src = scale_row + skip + c * CHUNK_GROUPS + (size_t)row * groups;
-                cp_async8_line(quads->scale[(chunk + c) & 7][row][0], src);
-                cp_async8_line(quads->scale[(chunk + c) & 7][row][1], src + (size_t)8 * groups);
-            }
+            if ((g & (3 * CHUNK_GROUPS)) != 0 || g + CHUNK_GROUPS * (lane & 3) >= groups) return;
+            const uint32_t dst = quad_copy + ((g & (4 * CHUNK_GROUPS)) << 5);
+            cp_async8_line_at(dst, scale_row + skip);
+            cp_async8_line_at(dst + 8, scale_hi + skip);
         } else if (lane < 16) {
-            stage_scales<false>(quads->scale[chunk & 7][lane & 7][lane >> 3], scale_row + skip + (size_t)lane * groups,
-                                g);
+            const __nv_bfloat16* src = scale_row + skip - (size_t)(lane >> 2) * groups - CHUNK_GROUPS * (lane & 3) +
+                                       (size_t)(lane & 15) * groups;
+            stage_scales<false>(quads->scale[(g / CHUNK_GROUPS) & 7][lane & 7][lane >> 3], src, g);
         }
     }
 
@@ -423,6 +432,7 @@ struct NativeLayoutT {
         piece += chunks * step;
         piece_hi += chunks * step;
         scale_row += chunks * step;
+        if (QUADS) scale_hi += chunks * step;
         g0 += chunks * step;
     }
 
@@ -437,8 +447,10 @@ struct NativeLayoutT {
         ldmatrix_x4(w, piece + 8 * 16);
         hi = make_uint4(w[0], w[1], w[2], w[3]);
         if constexpr (QUADS) {
-            const int chunk = g0 / CHUNK_GROUPS + ahead;
-            scales = *reinterpret_cast<const uint4*>(&quads->scale[chunk & 7][lane >> 2][0][0]);
+            const uint32_t at = quad_read + (((g0 / CHUNK_GROUPS + ahead) & 7) << 7);
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(scales.x), "=r"(scales.y), "=r"(scales.z), "=r"(scales.w)
+                         : "r"(at));
         } else {
             scales = *reinterpret_cast<const uint4*>(&s.scale[lane >> 2][0][0]);
         }
