@@ -412,7 +412,9 @@ struct NativeLayoutT {
     // QUADS: the scales of the chunk `skip` groups past the cursor's. At a quad's first chunk (whole chunks),
     // lane l copies the 8 bytes of chunk l % 4 of the quad for rows l / 4 and l / 4 + 8 (scale_row points at
     // the first), so 4 lanes read each row's sector; otherwise lanes 0..15 fill the chunk's own slot, as a
-    // stage's scales. The addresses are a lane's constants plus the quad's parity (slots 4..7: 512 bytes on).
+    // stage's scales. The addresses are a lane's constants plus the quad's parity (slots 4..7: 512 bytes on):
+    // computed per chunk, they made the one-token loop 724 instead of 691 sm_90 instructions per round of 3
+    // and the forward up to 0.7% slower on the H200.
     template <bool WHOLE>
     __device__ __forceinline__ void stage_quad(int skip) const {
         const int lane = threadIdx.x & 31, g = g0 + skip;
