@@ -128,9 +128,10 @@ __device__ __forceinline__ void cp_async16_line(void* dst, const void* src, int 
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                  "r"(bytes));
 }
-__device__ __forceinline__ void cp_async8_line(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
+__device__ __forceinline__ void cp_async8_line(uint32_t dst, const void* src) {  // dst: a shared-window address
+    asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
 }
+__device__ __forceinline__ void cp_async8_line(void* dst, const void* src) { cp_async8_line(smem_addr(dst), src); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

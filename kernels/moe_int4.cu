@@ -325,11 +325,6 @@ struct ScaleQuads {
     __nv_bfloat16 scale[8][8][2][4];  // [chunk % 8][row i][half][group]: row i + 8 * half
 };
 
-// cp_async8_line (kernels/common.cuh) to a shared-memory address.
-__device__ __forceinline__ void cp_async8_line_at(uint32_t dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
-}
-
 // A layout's cursor walks one m16 tile's chunks: `stage(dst, ahead)` copies the chunk `ahead` staged
 // chunks past the cursor's into a stage, `read(stage, ahead)` gives a lane that chunk's operands, and
 // `advance` moves the cursor. The chunk loop is unrolled by its stages, so `ahead` is a constant there
@@ -376,12 +371,15 @@ struct NativeLayoutT {
         base = reinterpret_cast<const uint4*>(packed);
         piece = base + (size_t)(row0 + (lane >> 2)) * groups + g0 + (lane & 3);  // one 16-byte piece per group
         piece_hi = piece + (size_t)8 * groups;
-        scale_row = QUADS ? scale + (size_t)(row0 + (lane >> 2)) * groups + g0 + CHUNK_GROUPS * (lane & 3)
-                          : scale + (size_t)(row0 + (lane & 15)) * groups + g0;
-        scale_hi = scale_row + (size_t)8 * groups;
-        quads = reinterpret_cast<ScaleQuads*>(scale_ring);
-        quad_copy = smem_addr(quads->scale[lane & 3][lane >> 2]);
-        quad_read = smem_addr(quads->scale[0][lane >> 2]);
+        if constexpr (QUADS) {
+            scale_row = scale + (size_t)(row0 + (lane >> 2)) * groups + g0 + CHUNK_GROUPS * (lane & 3);
+            scale_hi = scale_row + (size_t)8 * groups;
+            quads = reinterpret_cast<ScaleQuads*>(scale_ring);
+            quad_copy = smem_addr(quads->scale[lane & 3][lane >> 2]);
+            quad_read = smem_addr(quads->scale[0][lane >> 2]);
+        } else {
+            scale_row = scale + (size_t)(row0 + (lane & 15)) * groups + g0;
+        }
     }
 
     template <bool WHOLE>
@@ -421,11 +419,12 @@ struct NativeLayoutT {
         if (WHOLE) {
             if ((g & (3 * CHUNK_GROUPS)) != 0 || g + CHUNK_GROUPS * (lane & 3) >= groups) return;
             const uint32_t dst = quad_copy + ((g & (4 * CHUNK_GROUPS)) << 5);
-            cp_async8_line_at(dst, scale_row + skip);
-            cp_async8_line_at(dst + 8, scale_hi + skip);
+            cp_async8_line(dst, scale_row + skip);
+            cp_async8_line(dst + 8, scale_hi + skip);
         } else if (lane < 16) {
-            const __nv_bfloat16* src = scale_row + skip - (size_t)(lane >> 2) * groups - CHUNK_GROUPS * (lane & 3) +
-                                       (size_t)(lane & 15) * groups;
+            // Row l instead of row l / 4, group 0 of the chunk instead of 4 (l % 4).
+            const __nv_bfloat16* src = scale_row + skip + (ptrdiff_t)((lane & 15) - (lane >> 2)) * groups -
+                                       CHUNK_GROUPS * (lane & 3);
             stage_scales<false>(quads->scale[(g / CHUNK_GROUPS) & 7][lane & 7][lane >> 3], src, g);
         }
     }
