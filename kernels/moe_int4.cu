@@ -347,7 +347,10 @@ struct ScaleQuads {
 // queue (with the epilogue from registers, BlockShape, the native forward is 2.3-3.2% faster at T 1-64
 // on the H200). Quad q's slots are used by chunks 4q .. 4q + 3 and rewritten when chunk 4q + 8 is staged,
 // at most STAGES chunks ahead, i.e. after chunk 4q + 3 has been used. Chunks of a K not in whole chunks
-// write their own slot with plain loads.
+// write their own slot with plain loads. (The copy engine instead, one 2-D TMA box of both m16 tiles' 32
+// rows per chunk completing on an mbarrier, whose 64-byte swizzle mode is native_swizzle, passed the
+// tests but moved the forward by under 1.1% either way at T 1-64 and made the one-token down kernel 8%
+// slower alone: the loop grew from 689 to 741 instructions per round of 3 chunks; session 25, H200.)
 template <bool QUADS>
 struct NativeLayoutT {
     typedef typename std::conditional<QUADS, NativeRows, NativeStage>::type Stage;
@@ -985,7 +988,10 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
 // down GEMM has 1792 one-warp blocks, 13-14 per SM, where 256-row blocks of 8 K-split warps gave 224
 // blocks, 1 or 2 per SM (18% over the mean; Nsight Compute: 46% of DRAM bandwidth). Against 4 K slices
 // for down, one slice took T 16 from 784 to 765 us and T 256 from 3.79 to 3.43 ms and left T <= 8 within
-// 1% (session 12, tiled). The narrow kernels stage 3 chunks of weights and activations per warp: four
+// 1% (session 12, tiled). Two gate/up K slices instead of four (every gate/up kernel alike, as batch
+// invariance needs; at one token one wave of 2-warp blocks instead of 1.94 of 4-warp ones) made the
+// native forward 2-12% slower at T 1-64, the tiled one 2.3% slower at T 1 and 2.6-3.0% faster at
+// T 16-64 (session 25, H200). The narrow kernels stage 3 chunks of weights and activations per warp: four
 // 4-warp gate/up blocks (55 KB) or 15-16 one-warp down blocks (13 KB, the native ones 14 KB with their
 // scale quads) fit an SM's 228 KB, as many as the 128 registers of their threads allow.
 constexpr int GATE_UP_KSPLIT = 4;
@@ -1125,6 +1131,11 @@ static_assert(fits_shared<NativeLayout>() && fits_shared<TiledLayout>(), "GEMM s
 static_assert(BlockShape<TiledLayout, 2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::RGROUPS == 1 &&
                   BlockShape<NativeLayout, 2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::RGROUPS == 1,
               "a narrow gate/up block is one 16-row group: the down GEMM waits for ceil(I / 16) of them (rule H)");
+// gate_up does not bound its rows by I (its h stores would land in the next row), so a block's rows must
+// divide every I the launcher takes: a multiple of GROUP.
+static_assert(GROUP % (16 * BlockShape<TiledLayout, 2, 2, GATE_UP_KSPLIT, WIDE_STAGES>::RGROUPS) == 0 &&
+                  GROUP % (16 * BlockShape<NativeLayout, 2, 2, GATE_UP_KSPLIT, WIDE_STAGES>::RGROUPS) == 0,
+              "a wide gate/up block's rows divide I");
 static_assert(sizeof(NativeStage) == 1152 && sizeof(NativeRows) == 1024 && sizeof(ScaleQuads) == 1024,
               "src/cuda/moe_int4.rs sizes the native stages and scale quads");
 static_assert(sizeof(StageTile) == 1152, "StageTile is the tiled layout's chunk image");
