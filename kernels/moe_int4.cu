@@ -632,9 +632,14 @@ struct GemmArgs {
 
 // The activations of one chunk for one n8 tile, staged next to its weights: x[j][slot][c] holds
 // elements 8c .. 8c + 7 of group j of the chunk for token slot `slot`, the 16 bytes lane (slot, c) reads.
-struct ActStage {
-    uint4 x[CHUNK_GROUPS][8][4];
+// A kernel whose blocks all have one token (the direct down GEMM) stages slot 0 only, and the lanes of
+// the other slots read a ring of zeros of the same shape that follows the warp's ring (so that every read
+// keeps its immediate offset).
+template <int SLOTS>
+struct ActStageT {
+    uint4 x[CHUNK_GROUPS][SLOTS][4];
 };
+typedef ActStageT<8> ActStage;
 
 // A warp's partial sums over the chunks first, first + step, ... (`count` of them) for NT n8 tiles of
 // tokens; `act[n]` is the lane's activation row in n-tile n, advanced to element 8c (lanes past the
@@ -655,10 +660,12 @@ struct ActStage {
 // activations are loaded by each lane inside chunk_mma, and the groups are W0 .. W(S-1) then one per
 // later chunk, again S - 1 newer ones. With one token (ONE: NT 1, `tokens` 1) lanes (g, c), g < 4, copy
 // piece c of group g, so a chunk's 64 bytes take one copy instruction instead of four.
-template <class Layout, int MT, int NT, int STAGES, bool ONE, bool WHOLE, class WaitInputs>
+template <class Layout, int MT, int NT, int STAGES, bool ONE, bool WHOLE, int SLOTS, class WaitInputs>
 __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, const uint4* const (&act)[NT],
                           int tokens, int first, int count, int step, typename Layout::Stage* ring,
-                          ActStage* acts, unsigned char* scale_ring, WaitInputs wait_inputs) {
+                          ActStageT<SLOTS>* acts, unsigned char* scale_ring, WaitInputs wait_inputs) {
+    static_assert(SLOTS == 8 || ONE, "a stage of fewer token slots serves one token");
+    static_assert(SLOTS == 8 || SLOTS == 1, "one token slot staged, or all 8");
     static_assert(!ONE || NT == 1, "one token fills one n8 tile");
     static_assert(Layout::SCALE_BYTES == 0 || STAGES <= 4, "a scale quad is rewritten 8 chunks on (NativeLayoutT)");
     const int groups = args.cols / GROUP;
@@ -708,11 +715,18 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
         if (s < count) stage_weights(s, s);
         cp_async_commit();  // also when empty, so the group count stays one per chunk
     }
-    if (NT == 1 && r >= tokens) {
+    if (NT == 1 && r >= tokens && SLOTS == 8) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s)
 #pragma unroll
             for (int j = 0; j < CHUNK_GROUPS; ++j) acts[s].x[j][r][c] = make_uint4(0, 0, 0, 0);
+    }
+    const ActStageT<SLOTS>* reads = acts;  // the lane's activation ring (see ActStageT)
+    if (SLOTS < 8) {
+        uint4* zeros = acts[STAGES].x[0][0];
+        for (int i = lane; i < STAGES * (int)(sizeof(ActStageT<SLOTS>) / sizeof(uint4)); i += 32)
+            zeros[i] = make_uint4(0, 0, 0, 0);
+        if (r >= SLOTS) reads = acts + STAGES;
     }
     wait_inputs();
     pdl_launch_dependents();
@@ -737,7 +751,7 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
             uint4 x[CHUNK_GROUPS];
             if (NT == 1) {
 #pragma unroll
-                for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = acts[use].x[j][r][c];
+                for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = reads[use].x[j][SLOTS == 8 ? r : 0][c];
             }
             const int g0 = (first + (i + use) * step) * CHUNK_GROUPS;
             chunk_mma<Layout, MT, NT, ONE, WHOLE>(acc, cursor, ring + use * MT, use, x, act, g0, groups, minus136);
@@ -801,8 +815,8 @@ __device__ __forceinline__ int frag_col(int n, int lane, int i) { return n * 8 +
 // MT m16 tiles. Shared memory: the warps' weight stage rings, activation stage rings (one n8 tile) and
 // scale rings (layouts that stage scales apart, NativeLayoutT), then, with K split over several warps, the
 // partial sums [KSPLIT][RGROUPS][frag]. With one K slice each warp's accumulators are its row group's
-// results, which the kernel stores from registers.
-template <class Layout, int MT, int NT, int KSPLIT, int STAGES>
+// results, which the kernel stores from registers. SLOTS: token slots of an activation stage (ActStageT).
+template <class Layout, int MT, int NT, int KSPLIT, int STAGES, int SLOTS = 8>
 struct BlockShape {
     typedef typename Layout::Stage Stage;
     static constexpr int WARPS = gemm_warps(NT, KSPLIT), THREADS = WARPS * 32;
@@ -810,7 +824,8 @@ struct BlockShape {
     static constexpr int FRAG = MT * NT * 128;  // accumulators of one warp
     static constexpr bool PARTIALS = KSPLIT > 1;
     static constexpr size_t WEIGHT_RING_BYTES = (size_t)WARPS * STAGES * MT * sizeof(Stage);
-    static constexpr size_t ACT_RING_BYTES = NT == 1 ? (size_t)WARPS * STAGES * sizeof(ActStage) : 0;
+    static constexpr size_t ACT_RING_BYTES =  // SLOTS < 8: the ring, then its zeros (ActStageT)
+        NT == 1 ? (size_t)WARPS * STAGES * sizeof(ActStageT<SLOTS>) * (SLOTS < 8 ? 2 : 1) : 0;
     static constexpr size_t SCALE_RING_BYTES = (size_t)WARPS * MT * Layout::SCALE_BYTES;
     static constexpr size_t RING_BYTES = WEIGHT_RING_BYTES + ACT_RING_BYTES + SCALE_RING_BYTES;
     static constexpr size_t SHARED_BYTES = RING_BYTES + (PARTIALS ? (size_t)WARPS * FRAG * sizeof(float) : 0);
@@ -819,8 +834,9 @@ struct BlockShape {
     __device__ static Stage* ring(unsigned char* smem) {
         return reinterpret_cast<Stage*>(smem) + (threadIdx.x >> 5) * STAGES * MT;
     }
-    __device__ static ActStage* act_ring(unsigned char* smem) {
-        return reinterpret_cast<ActStage*>(smem + WEIGHT_RING_BYTES) + (threadIdx.x >> 5) * STAGES;
+    __device__ static ActStageT<SLOTS>* act_ring(unsigned char* smem) {
+        return reinterpret_cast<ActStageT<SLOTS>*>(smem + WEIGHT_RING_BYTES) +
+               (threadIdx.x >> 5) * STAGES * (SLOTS < 8 ? 2 : 1);
     }
     __device__ static unsigned char* scale_ring(unsigned char* smem) {
         return smem + WEIGHT_RING_BYTES + ACT_RING_BYTES + (size_t)(threadIdx.x >> 5) * MT * Layout::SCALE_BYTES;
@@ -937,11 +953,11 @@ __device__ __forceinline__ void wait_for_expert(int* handoff, int gate_up_blocks
 
 // GEMM 2: y[pair, r] = h[pos] · down_r; a row group covers 32 rows (two m16 tiles).
 // Grid: (ceil(H / (32 RGROUPS)), active experts). ONE: the expert has one token (see group_mma).
-template <class Layout, int NT, int KSPLIT, int STAGES, bool ONE, bool WHOLE>
+template <class Layout, int NT, int KSPLIT, int STAGES, bool ONE, bool WHOLE, int SLOTS = 8>
 __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,
                      const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int* __restrict__ sorted_pairs,
                      bool direct, const ExpertSlice& ex, float* __restrict__ y, int* __restrict__ handoff) {
-    typedef BlockShape<typename DownView<Layout>::type, 2, NT, KSPLIT, STAGES> Shape;
+    typedef BlockShape<typename DownView<Layout>::type, 2, NT, KSPLIT, STAGES, SLOTS> Shape;
     static_assert(!Shape::PARTIALS, "each warp is a row group: its results are stored from its registers");
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, rg = threadIdx.x >> 5;
@@ -998,6 +1014,9 @@ constexpr int GATE_UP_KSPLIT = 4;
 constexpr int DOWN_KSPLIT = 1;
 constexpr int NARROW_STAGES = 3;
 constexpr int WIDE_STAGES = 2;
+// The down GEMM of one token (moe_down_direct_*) stages one token slot of activations (256 bytes a
+// chunk instead of 2 KB), which leaves room for a fourth chunk in flight at 16 one-warp blocks an SM.
+constexpr int DIRECT_DOWN_STAGES = 4;
 
 // Calls f(std::true_type) when K = `cols` splits into whole chunks (every Kimi-K2 matrix), else
 // f(std::false_type): the chunk loops of the first kind check no bounds (the native layout's copies and
@@ -1078,6 +1097,22 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
     pdl_wait();  // rule W on every path (a wide block has waited in warp_gemm already; a narrow one only spun)
 }
 
+// The down GEMM of one token (direct_expert): every block has one token, so activation stages of one
+// slot (ActStageT<1>) and a deeper ring than the narrow kernel's, with the same arithmetic in the same
+// order (so the same bits).
+template <class Layout>
+__device__ __forceinline__ void down_direct_kernel(const __nv_bfloat16* h, const uint32_t* w2,
+                                                   const __nv_bfloat16* w2_scale, int H, int I, const int* topk_ids,
+                                                   int experts, float* y, int* handoff) {
+    ExpertSlice ex;
+    if (direct_expert(topk_ids, experts, ex))
+        with_whole_chunks(I, [&](auto whole) {
+            down<Layout, 1, DOWN_KSPLIT, DIRECT_DOWN_STAGES, true, decltype(whole)::value, 1>(
+                h, w2, w2_scale, H, I, nullptr, true, ex, y, handoff);
+        });
+    pdl_wait();  // rule W on every path
+}
+
 #define KDT_MOE_GEMMS(LAYOUT, NT, STAGES, SUFFIX)                                                          \
     extern "C" __global__ void __launch_bounds__(gemm_warps(NT, GATE_UP_KSPLIT) * 32,                         \
                                                  gemm_min_blocks(NT, GATE_UP_KSPLIT))                         \
@@ -1119,13 +1154,27 @@ KDT_MOE_GEMMS(TiledLayout, 2, WIDE_STAGES, wide_tiled)
 KDT_MOE_GATE_UP_DIRECT(NativeLayout, native)
 KDT_MOE_GATE_UP_DIRECT(TiledLayout, tiled)
 
+#define KDT_MOE_DOWN_DIRECT(LAYOUT, SUFFIX)                                                                  \
+    extern "C" __global__ void __launch_bounds__(gemm_warps(1, DOWN_KSPLIT) * 32,                             \
+                                                 gemm_min_blocks(1, DOWN_KSPLIT))                             \
+        moe_down_direct_##SUFFIX(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,        \
+                                 const __nv_bfloat16* __restrict__ w2_scale, int H, int I,                    \
+                                 const int* __restrict__ topk_ids, int E, float* __restrict__ y,              \
+                                 int* __restrict__ handoff) {                                                 \
+        down_direct_kernel<LAYOUT>(h, w2, w2_scale, H, I, topk_ids, E, y, handoff);                           \
+    }
+KDT_MOE_DOWN_DIRECT(NativeLayout, native)
+KDT_MOE_DOWN_DIRECT(TiledLayout, tiled)
+
 // Dynamic shared memory of each GEMM kernel, for the launcher (which must match these sizes).
 template <class Layout>
 constexpr bool fits_shared() {
     return BlockShape<Layout, 2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::SHARED_BYTES <= 99 * 1024 &&
            BlockShape<Layout, 2, 2, GATE_UP_KSPLIT, WIDE_STAGES>::SHARED_BYTES <= 99 * 1024 &&
            BlockShape<typename DownView<Layout>::type, 2, 1, DOWN_KSPLIT, NARROW_STAGES>::SHARED_BYTES <= 99 * 1024 &&
-           BlockShape<typename DownView<Layout>::type, 2, 2, DOWN_KSPLIT, WIDE_STAGES>::SHARED_BYTES <= 99 * 1024;
+           BlockShape<typename DownView<Layout>::type, 2, 2, DOWN_KSPLIT, WIDE_STAGES>::SHARED_BYTES <= 99 * 1024 &&
+           BlockShape<typename DownView<Layout>::type, 2, 1, DOWN_KSPLIT, DIRECT_DOWN_STAGES, 1>::SHARED_BYTES <=
+               99 * 1024;
 }
 static_assert(fits_shared<NativeLayout>() && fits_shared<TiledLayout>(), "GEMM shared memory over 99 KB");
 static_assert(BlockShape<TiledLayout, 2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::RGROUPS == 1 &&

@@ -105,6 +105,7 @@ struct Kernels {
     /// The narrow gate/up GEMM of one token, which takes its experts from the routing.
     moe_gate_up_direct: (&'static str, CudaFunction),
     moe_down: [(&'static str, CudaFunction); 2],
+    moe_down_direct: (&'static str, CudaFunction),
     moe_combine: CudaFunction,
     moe_pair_acts: CudaFunction,
     int4_tile: CudaFunction,
@@ -138,6 +139,7 @@ impl Kernels {
             moe_gate_up: Self::int4_pair(module, INT4_NAMES.gate_up, false)?,
             moe_gate_up_direct: Self::int4_gemm(module, INT4_NAMES.gate_up_direct, false, false)?,
             moe_down: Self::int4_pair(module, INT4_NAMES.down, true)?,
+            moe_down_direct: Self::int4_kernel(module, INT4_NAMES.down_direct, moe_int4::direct_down_shared_bytes())?,
             moe_combine: f("moe_combine")?,
             moe_pair_acts: f("moe_pair_acts")?,
             int4_tile: f("int4_tile")?,
@@ -169,12 +171,18 @@ impl Kernels {
         down: bool,
         wide: bool,
     ) -> Result<(&'static str, CudaFunction)> {
+        Self::int4_kernel(module, name, moe_int4::gemm_shared_bytes_of(down, wide))
+    }
+
+    /// An INT4 GEMM kernel allowed `shared` bytes of dynamic shared memory.
+    fn int4_kernel(
+        module: &Arc<CudaModule>,
+        name: &'static str,
+        shared: usize,
+    ) -> Result<(&'static str, CudaFunction)> {
         let f = module.load_function(name).map_err(|e| cuda_err("load_function", e))?;
-        f.set_attribute(
-            sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            moe_int4::gemm_shared_bytes_of(down, wide) as i32,
-        )
-        .map_err(|e| cuda_err("INT4 GEMM shared memory attribute", e))?;
+        f.set_attribute(sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared as i32)
+            .map_err(|e| cuda_err("INT4 GEMM shared memory attribute", e))?;
         Ok((name, f))
     }
 
@@ -192,9 +200,15 @@ impl Kernels {
         let (name, f) = &self.moe_down[wide as usize];
         (name, f)
     }
+
+    fn moe_down_direct(&self) -> (&'static str, &CudaFunction) {
+        let (name, f) = &self.moe_down_direct;
+        (name, f)
+    }
 }
 
-/// The INT4 GEMM kernels of one layout (kernels/moe_int4.cu KDT_MOE_GEMMS and KDT_MOE_GATE_UP_DIRECT).
+/// The INT4 GEMM kernels of one layout (kernels/moe_int4.cu KDT_MOE_GEMMS, KDT_MOE_GATE_UP_DIRECT and
+/// KDT_MOE_DOWN_DIRECT).
 struct Int4Names {
     /// gate/up: [narrow, wide]
     gate_up: [&'static str; 2],
@@ -202,6 +216,8 @@ struct Int4Names {
     down: [&'static str; 2],
     /// the narrow gate/up GEMM of one token
     gate_up_direct: &'static str,
+    /// the down GEMM of one token
+    down_direct: &'static str,
 }
 
 /// The INT4 GEMM kernels of the layout the features choose.
@@ -210,11 +226,13 @@ const INT4_NAMES: Int4Names = match moe_int4::LAYOUT {
         gate_up: ["moe_gate_up_native", "moe_gate_up_wide_native"],
         down: ["moe_down_native", "moe_down_wide_native"],
         gate_up_direct: "moe_gate_up_direct_native",
+        down_direct: "moe_down_direct_native",
     },
     moe_int4::Int4Layout::Tiled => Int4Names {
         gate_up: ["moe_gate_up_tiled", "moe_gate_up_wide_tiled"],
         down: ["moe_down_tiled", "moe_down_wide_tiled"],
         gate_up_direct: "moe_gate_up_direct_tiled",
+        down_direct: "moe_down_direct_tiled",
     },
 };
 

@@ -75,6 +75,22 @@ pub(crate) const fn gemm_shared_bytes_of(down: bool, wide: bool) -> usize {
     warps * (stages * (2 * stage + act_stage) + 2 * scales) + partials
 }
 
+/// Chunks in flight per warp in the down GEMM of one token (kernels/moe_int4.cu DIRECT_DOWN_STAGES).
+const DIRECT_DOWN_STAGES: usize = 4;
+/// Bytes of one chunk's activations of one token (kernels/moe_int4.cu ActStageT<1>).
+const ACT_SLOT_BYTES: usize = ACT_STAGE_BYTES / NARROW_TOKENS;
+
+/// Dynamic shared memory of the down GEMM of one token (one warp): its weight stages, its one-slot
+/// activation stages and as many zeros (kernels/moe_int4.cu ActStageT), the native layout's scale quads.
+/// Must match BlockShape in the kernel.
+pub(crate) const fn direct_down_shared_bytes() -> usize {
+    let (stage, scales) = match LAYOUT {
+        Int4Layout::Native => (NATIVE_ROWS_BYTES, NATIVE_SCALE_QUADS_BYTES),
+        Int4Layout::Tiled => (STAGE_TILE_BYTES, 0),
+    };
+    DIRECT_DOWN_STAGES * (2 * stage + 2 * ACT_SLOT_BYTES) + 2 * scales
+}
+
 /// Launch geometry of a GEMM over `rows` weight rows: grid rows, threads and shared memory.
 fn gemm_geometry(rows: usize, group_rows: usize, down: bool, wide: bool) -> (u32, u32, u32) {
     let ksplit = if down { DOWN_KSPLIT } else { GATE_UP_KSPLIT };
@@ -530,15 +546,24 @@ impl MoePlan {
     }
 
     fn launch_down(&mut self, gpu: &Gpu, experts: &DeviceExperts, blocks: u32, wide: bool) -> Result<()> {
-        let (name, f) = gpu.kernels.moe_down(wide);
+        let direct = self.direct();
+        let (name, f) = if direct { gpu.kernels.moe_down_direct() } else { gpu.kernels.moe_down(wide) };
         let (h, i) = (self.shape.hidden as i32, self.shape.inter as i32);
-        let (grid_rows, threads, shared) = gemm_geometry(self.shape.hidden, DOWN_GROUP_ROWS, true, wide);
+        let (grid_rows, threads, mut shared) = gemm_geometry(self.shape.hidden, DOWN_GROUP_ROWS, true, wide);
+        if direct {
+            shared = direct_down_shared_bytes() as u32;
+        }
         let cfg =
             LaunchConfig { grid_dim: (grid_rows, blocks, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
         let mut a = KernelArgs::new(gpu);
         a.ptr(&self.h).ptr(&experts.w2.packed).ptr(&experts.w2.scale).val(h).val(i);
-        self.routing_args(&mut a);
-        a.ptr(&self.sorted_pairs).ptr_mut(&mut self.y).ptr_mut(&mut self.handoff);
+        if direct {
+            a.ptr(&self.topk_ids).val(self.shape.count as i32);
+        } else {
+            self.routing_args(&mut a);
+            a.ptr(&self.sorted_pairs);
+        }
+        a.ptr_mut(&mut self.y).ptr_mut(&mut self.handoff);
         gpu.launch_ex(name, f, cfg, &mut a, true)
     }
 
