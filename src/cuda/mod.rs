@@ -105,7 +105,7 @@ struct Kernels {
     /// The narrow gate/up GEMM of one token, which takes its experts from the routing.
     moe_gate_up_direct: (&'static str, CudaFunction),
     moe_down: [(&'static str, CudaFunction); 2],
-    moe_down_direct: (&'static str, CudaFunction),
+    moe_down_direct: Option<(&'static str, CudaFunction)>,
     moe_combine: CudaFunction,
     moe_pair_acts: CudaFunction,
     int4_tile: CudaFunction,
@@ -139,7 +139,10 @@ impl Kernels {
             moe_gate_up: Self::int4_pair(module, INT4_NAMES.gate_up, false)?,
             moe_gate_up_direct: Self::int4_gemm(module, INT4_NAMES.gate_up_direct, false, false)?,
             moe_down: Self::int4_pair(module, INT4_NAMES.down, true)?,
-            moe_down_direct: Self::int4_kernel(module, INT4_NAMES.down_direct, moe_int4::direct_down_shared_bytes())?,
+            moe_down_direct: INT4_NAMES
+                .down_direct
+                .map(|name| Self::int4_kernel(module, name, moe_int4::direct_down_shared_bytes()))
+                .transpose()?,
             moe_combine: f("moe_combine")?,
             moe_pair_acts: f("moe_pair_acts")?,
             int4_tile: f("int4_tile")?,
@@ -201,9 +204,8 @@ impl Kernels {
         (name, f)
     }
 
-    fn moe_down_direct(&self) -> (&'static str, &CudaFunction) {
-        let (name, f) = &self.moe_down_direct;
-        (name, f)
+    fn moe_down_direct(&self) -> Option<(&'static str, &CudaFunction)> {
+        self.moe_down_direct.as_ref().map(|(name, f)| (*name, f))
     }
 }
 
@@ -216,8 +218,8 @@ struct Int4Names {
     down: [&'static str; 2],
     /// the narrow gate/up GEMM of one token
     gate_up_direct: &'static str,
-    /// the down GEMM of one token
-    down_direct: &'static str,
+    /// the down GEMM of one token (the native layout only; the tiled one uses its narrow down GEMM)
+    down_direct: Option<&'static str>,
 }
 
 /// The INT4 GEMM kernels of the layout the features choose.
@@ -226,13 +228,13 @@ const INT4_NAMES: Int4Names = match moe_int4::LAYOUT {
         gate_up: ["moe_gate_up_native", "moe_gate_up_wide_native"],
         down: ["moe_down_native", "moe_down_wide_native"],
         gate_up_direct: "moe_gate_up_direct_native",
-        down_direct: "moe_down_direct_native",
+        down_direct: Some("moe_down_direct_native"),
     },
     moe_int4::Int4Layout::Tiled => Int4Names {
         gate_up: ["moe_gate_up_tiled", "moe_gate_up_wide_tiled"],
         down: ["moe_down_tiled", "moe_down_wide_tiled"],
         gate_up_direct: "moe_gate_up_direct_tiled",
-        down_direct: "moe_down_direct_tiled",
+        down_direct: None,
     },
 };
 

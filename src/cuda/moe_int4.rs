@@ -75,20 +75,17 @@ pub(crate) const fn gemm_shared_bytes_of(down: bool, wide: bool) -> usize {
     warps * (stages * (2 * stage + act_stage) + 2 * scales) + partials
 }
 
-/// Chunks in flight per warp in the down GEMM of one token (kernels/moe_int4.cu DIRECT_DOWN_STAGES).
+/// Chunks in flight per warp in the native down GEMM of one token (kernels/moe_int4.cu
+/// DIRECT_DOWN_STAGES).
 const DIRECT_DOWN_STAGES: usize = 4;
 /// Bytes of one chunk's activations of one token (kernels/moe_int4.cu ActStageT<1>).
 const ACT_SLOT_BYTES: usize = ACT_STAGE_BYTES / NARROW_TOKENS;
 
-/// Dynamic shared memory of the down GEMM of one token (one warp): its weight stages, its one-slot
-/// activation stages and as many zeros (kernels/moe_int4.cu ActStageT), the native layout's scale quads.
-/// Must match BlockShape in the kernel.
+/// Dynamic shared memory of the native down GEMM of one token (one warp, `moe_down_direct_native`): its
+/// weight stages (rows only), its one-slot activation stages and as many zeros (kernels/moe_int4.cu
+/// ActStageT), and its scale quads. Must match BlockShape in the kernel.
 pub(crate) const fn direct_down_shared_bytes() -> usize {
-    let (stage, scales) = match LAYOUT {
-        Int4Layout::Native => (NATIVE_ROWS_BYTES, NATIVE_SCALE_QUADS_BYTES),
-        Int4Layout::Tiled => (STAGE_TILE_BYTES, 0),
-    };
-    DIRECT_DOWN_STAGES * (2 * stage + 2 * ACT_SLOT_BYTES) + 2 * scales
+    DIRECT_DOWN_STAGES * (2 * NATIVE_ROWS_BYTES + 2 * ACT_SLOT_BYTES) + 2 * NATIVE_SCALE_QUADS_BYTES
 }
 
 /// Launch geometry of a GEMM over `rows` weight rows: grid rows, threads and shared memory.
@@ -545,9 +542,12 @@ impl MoePlan {
         a.val(self.shape.count as i32).val(direct);
     }
 
+    /// The down GEMM: with one token the layout's one-token kernel where it has one (the native layout:
+    /// kernels/moe_int4.cu down_direct_kernel), else the narrow or wide kernel.
     fn launch_down(&mut self, gpu: &Gpu, experts: &DeviceExperts, blocks: u32, wide: bool) -> Result<()> {
-        let direct = self.direct();
-        let (name, f) = if direct { gpu.kernels.moe_down_direct() } else { gpu.kernels.moe_down(wide) };
+        let direct_kernel = if self.direct() { gpu.kernels.moe_down_direct() } else { None };
+        let direct = direct_kernel.is_some();
+        let (name, f) = direct_kernel.unwrap_or_else(|| gpu.kernels.moe_down(wide));
         let (h, i) = (self.shape.hidden as i32, self.shape.inter as i32);
         let (grid_rows, threads, mut shared) = gemm_geometry(self.shape.hidden, DOWN_GROUP_ROWS, true, wide);
         if direct {
