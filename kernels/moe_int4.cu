@@ -1157,16 +1157,13 @@ KDT_MOE_GEMMS(TiledLayout, 2, WIDE_STAGES, wide_tiled)
 KDT_MOE_GATE_UP_DIRECT(NativeLayout, native)
 KDT_MOE_GATE_UP_DIRECT(TiledLayout, tiled)
 
-#define KDT_MOE_DOWN_DIRECT(LAYOUT, SUFFIX)                                                                  \
-    extern "C" __global__ void __launch_bounds__(gemm_warps(1, DOWN_KSPLIT) * 32,                             \
-                                                 gemm_min_blocks(1, DOWN_KSPLIT))                             \
-        moe_down_direct_##SUFFIX(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,        \
-                                 const __nv_bfloat16* __restrict__ w2_scale, int H, int I,                    \
-                                 const int* __restrict__ topk_ids, int E, float* __restrict__ y,              \
-                                 int* __restrict__ handoff) {                                                 \
-        down_direct_kernel<LAYOUT>(h, w2, w2_scale, H, I, topk_ids, E, y, handoff);                           \
-    }
-KDT_MOE_DOWN_DIRECT(NativeLayout, native)
+// The native down GEMM of one token (down_direct_kernel), with the narrow down kernel's geometry.
+extern "C" __global__ void __launch_bounds__(gemm_warps(1, DOWN_KSPLIT) * 32, gemm_min_blocks(1, DOWN_KSPLIT))
+    moe_down_direct_native(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,
+                           const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int* __restrict__ topk_ids,
+                           int E, float* __restrict__ y, int* __restrict__ handoff) {
+    down_direct_kernel<NativeLayout>(h, w2, w2_scale, H, I, topk_ids, E, y, handoff);
+}
 
 // Dynamic shared memory of each GEMM kernel, for the launcher (which must match these sizes).
 template <class Layout>

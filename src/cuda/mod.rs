@@ -210,7 +210,7 @@ impl Kernels {
 }
 
 /// The INT4 GEMM kernels of one layout (kernels/moe_int4.cu KDT_MOE_GEMMS, KDT_MOE_GATE_UP_DIRECT and
-/// KDT_MOE_DOWN_DIRECT).
+/// moe_down_direct_native).
 struct Int4Names {
     /// gate/up: [narrow, wide]
     gate_up: [&'static str; 2],
