@@ -105,6 +105,7 @@ struct Kernels {
     /// The narrow gate/up GEMM of one token, which takes its experts from the routing.
     moe_gate_up_direct: (&'static str, CudaFunction),
     moe_down: [(&'static str, CudaFunction); 2],
+    /// The down GEMM of one token, which takes its experts from the routing (the native layout only).
     moe_down_direct: Option<(&'static str, CudaFunction)>,
     moe_combine: CudaFunction,
     moe_pair_acts: CudaFunction,
