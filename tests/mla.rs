@@ -34,6 +34,7 @@ fn check_close(name: &str, case: &Fixture, got: &MlaOutput) {
     assert_eq!(got.o.len(), want_o.len(), "{name}: o length");
     let rel = common::rel_frobenius(&got.o, &want_o);
     let tol_o = case.f64("tol_o_rel").unwrap();
+    println!("{name}: o relative error {rel:.3e} (tolerance {tol_o:e})");
     assert!(rel <= tol_o, "{name}: o relative error {rel:e} > {tol_o:e}");
     let tol_lse = case.f64("tol_lse_abs").unwrap();
     for (i, (g, w)) in got.lse.iter().zip(&want_lse).enumerate() {
@@ -243,6 +244,7 @@ mod gpu {
             norm += (*w as f64).powi(2);
         }
         let rel = (err / norm.max(f64::MIN_POSITIVE)).sqrt();
+        println!("{name}: o relative error {rel:.3e} against the CPU");
         let (i, _) = worst;
         assert!(
             rel <= tol_o,
