@@ -1102,7 +1102,12 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
 // slot (ActStageT<1>) and a deeper ring than the narrow kernel's, with the same arithmetic in the same
 // order (so the same bits). On the H200 the native one-token forward is 2.2% faster with it than with the
 // narrow kernel (its loop 219.5 instead of 229.7 sm_90 instructions a chunk, and no spill), the tiled one
-// not faster (`experts` +0.1%, `step` +1.1%; session 25), so only the native layout has one.
+// not faster (`experts` +0.1%, `step` +1.1%; session 25), so only the native layout has one. One m16 tile
+// a warp instead (3584 blocks of 16 rows, 28 an SM, same bits) was 5.6% slower: about 195 instructions a
+// chunk per 16 rows, since the activations' conversion and the copies' bookkeeping are then not shared
+// by two tiles (session 26, branch wip/moe-down-direct-mt1). The direct gate/up GEMM with these one-slot
+// stages and 4 chunks in flight gained nothing (`experts` T 1 -0.3%) and made the one-token step 2.7-5.1%
+// slower in both layouts (session 26, branch wip/moe-gate-up-direct-slots), so it keeps the narrow ring.
 template <class Layout>
 __device__ __forceinline__ void down_direct_kernel(const __nv_bfloat16* h, const uint32_t* w2,
                                                    const __nv_bfloat16* w2_scale, int H, int I, const int* topk_ids,
