@@ -48,8 +48,9 @@
 // conflict-free). P.V rounds P to bf16 as a hi + lo pair (two mmas), so P keeps about f32 precision. A
 // single bf16 P (branch wip/mla-bf16-p, the CPU reference rounding alike) stays inside the fixtures'
 // tolerance (3.3-5.9e-4 against 2e-3) and made H 64 decodes and tree_verify 6-7% faster on the H200, but
-// it moves the tiny model's "hello" prompt across a routing near-tie (two experts 6.3e-6 apart at one
-// layer), and its CUDA logits then differ from transformers' by 1.2e-2, over issue 5's 1e-2 (session 26).
+// it moves the tiny model's "hello" prompt across a routing near-tie (at one layer a token's 8th and 9th
+// experts, 6.3e-6 apart, swap), and its CUDA logits then differ from transformers' by 1.2e-2, over issue
+// 5's 1e-2 (session 26).
 // Each warp owns 64 output dims, so each V fragment it loads feeds 4 * MT mmas. A row's arithmetic is
 // the same in every mode and tile position: the sub-tile borders sit at fixed keys of the chunk, a row's
 // softmax always runs on 16 threads of 2 keys (each thread keeps its share of the row sum, added once per
