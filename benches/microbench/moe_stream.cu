@@ -77,6 +77,23 @@ struct StandIn {
     }
 };
 
+// A warp's walk over `items` through a cp.async ring of RING stages: `issue(i, stage)` queues item i into
+// the stage (nothing past the last item) and commits one group, `use(stage)` reads a stage whose group has
+// landed, and the stage is refilled once every lane is done with it.
+template <int RING, class Issue, class Use>
+__device__ void stream_ring(int items, Issue issue, Use use) {
+    for (int s = 0; s < RING; ++s) issue(s, s);
+    for (int i = 0; i < items; ++i) {
+        cp_async_wait<RING - 1>();
+        __syncwarp();
+        const int st = i % RING;
+        use(st);
+        __syncwarp();
+        issue(i + RING, st);
+    }
+    cp_async_wait<0>();
+}
+
 // grid (I / 16 row groups, experts), 32 * KS threads.
 template <Pattern P, int KS = P == NATIVE_KS8 ? 8 : 4>
 __global__ void __launch_bounds__(32 * KS) narrow_gate_up(const uint4* w, const uint16_t* sc, const uint4* x, int work,
@@ -114,17 +131,9 @@ __global__ void __launch_bounds__(32 * KS) narrow_gate_up(const uint4* w, const 
         }
         cp_async_commit();
     };
-    for (int s = 0; s < STAGES; ++s) issue(s, s);
     StandIn stand_in;
-    for (int i = 0; i < PER_WARP; ++i) {
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();
-        const int st = i % STAGES;
-        stand_in.use(ring + st * 2560, ring + st * 2560 + 1152, work);
-        __syncwarp();
-        issue(i + STAGES, st);
-    }
-    cp_async_wait<0>();
+    stream_ring<STAGES>(PER_WARP, issue,
+                        [&](int st) { stand_in.use(ring + st * 2560, ring + st * 2560 + 1152, work); });
     stand_in.finish(out);
 }
 
@@ -183,18 +192,11 @@ __global__ void __launch_bounds__(32 * KS) narrow_gate_up_pairs(const uint4* w, 
         }
         cp_async_commit();
     };
-    for (int s = 0; s < PAIR_STAGES; ++s) issue(s, s);
     StandIn stand_in;
-    for (int i = 0; i < PER_WARP; ++i) {
-        cp_async_wait<PAIR_STAGES - 1>();
-        __syncwarp();
-        const int st = i % PAIR_STAGES;
+    stream_ring<PAIR_STAGES>(PER_WARP, issue, [&](int st) {
         for (int c = 0; c < 2; ++c)
             stand_in.use(ring + st * PAIR_STAGE_BYTES + 1024 * c, ring + st * PAIR_STAGE_BYTES + 2304 + 1024 * c, work);
-        __syncwarp();
-        issue(i + PAIR_STAGES, st);
-    }
-    cp_async_wait<0>();
+    });
     stand_in.finish(out);
 }
 
