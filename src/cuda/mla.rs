@@ -63,6 +63,8 @@ const CHUNK_SLOTS: usize = 264;
 /// in a full, memory-bound wave (H8 bs 64 prefix 65536: 16384 chunks in 1.35 ms). Measured in session 9;
 /// the shorter per-sub-tile chain since then should lower the lone CTA's time, so re-measure.
 const PARTIAL_WAVE: f64 = 0.7;
+/// The least share of [`CHUNK_SLOTS`] a folded launch must fill (see [`folds`]).
+const MIN_FOLDED_WAVE: f64 = 0.9;
 /// Cache bytes a chunk reads: [`SPLIT`] rows of 576 bf16.
 const CHUNK_BYTES: usize = SPLIT * ROW * 2;
 /// Bytes of one query row's partial output and (max, sum).
@@ -383,15 +385,17 @@ impl Inputs<'_, '_> {
 ///   (Stored evict-last, the partials of a small launch stay in L2; never folding was still 3-10% slower
 ///   on the H 8 / H 16 decode rows this folds, 1-4% at H 64, and 2% faster on tree prefixes (H200, session 18).)
 ///
-/// Folding also needs the folded launch to fill one wave: below that, each CTA runs its four chunks
-/// back to back at the latency floor (60 µs or more), where this estimate is the least reliable.
+/// Folding also needs the folded launch to fill about one wave ([`MIN_FOLDED_WAVE`]): below that, each
+/// CTA runs its four chunks back to back at the latency floor (60 µs or more), where this estimate is
+/// the least reliable. 256 folded CTAs (1024 chunks: H 16 at bs 64 × prefix 4096) leave 8 of the 264
+/// slots idle and fold.
 /// H 8 on an H200: bs 8 × prefix 65536 (2048 chunks, 512 folded CTAs) folds: 7.76 · 1.03 = 7.97 against
 /// 7.76 · 1.11 = 8.62 chunk times (about 173 µs against 187 µs); bs 1 × 65536 (256 chunks) and bs 8 ×
 /// 16384 (512 chunks) do not (64 and 128 folded CTAs, below a wave); 2200 chunks do not either
 /// (550 folded CTAs leave a last wave of 22: 10.8 · 1.03 against 8.7 · 1.11).
 fn folds(groups: usize, chunks: usize, tile_rows: usize) -> bool {
     let folded_ctas = groups.saturating_mul(chunks.div_ceil(FOLD));
-    if chunks <= 1 || folded_ctas < CHUNK_SLOTS {
+    if chunks <= 1 || (folded_ctas as f64) < MIN_FOLDED_WAVE * CHUNK_SLOTS as f64 {
         return false;
     }
     let waves = |ctas: usize, per_cta: usize| {
@@ -528,6 +532,7 @@ mod tests {
         assert!(!folds(8, 64, 8), "bs 8 prefix 16384: 128 folded CTAs");
         assert!(folds(8, 256, 8), "bs 8 prefix 65536");
         assert!(folds(64, 256, 8), "bs 64 prefix 65536");
+        assert!(folds(64, 16, 16), "H 16 bs 64 prefix 4096: 256 folded CTAs, 97% of a wave");
         assert!(!folds(2200, 1, 8) && !folds(1, 1, 8), "a single chunk never folds");
         assert!(!folds(550, 4, 8), "550 folded CTAs: a last wave of 22 CTAs of four chunks");
         // The GPU test of folded decodes (H 64, bs 64, 8 chunks) must fold.
