@@ -63,8 +63,8 @@ const CHUNK_SLOTS: usize = 264;
 /// in a full, memory-bound wave (H8 bs 64 prefix 65536: 16384 chunks in 1.35 ms). Measured in session 9;
 /// the shorter per-sub-tile chain since then should lower the lone CTA's time, so re-measure.
 const PARTIAL_WAVE: f64 = 0.7;
-/// The least share of [`CHUNK_SLOTS`] a folded launch must fill (see [`folds`]).
-const MIN_FOLDED_WAVE: f64 = 0.9;
+/// The fewest folded CTAs a launch folds into: 90% of [`CHUNK_SLOTS`], rounded up (see [`folds`]).
+const MIN_FOLDED_CTAS: usize = (CHUNK_SLOTS * 9).div_ceil(10);
 /// Cache bytes a chunk reads: [`SPLIT`] rows of 576 bf16.
 const CHUNK_BYTES: usize = SPLIT * ROW * 2;
 /// Bytes of one query row's partial output and (max, sum).
@@ -385,7 +385,7 @@ impl Inputs<'_, '_> {
 ///   (Stored evict-last, the partials of a small launch stay in L2; never folding was still 3-10% slower
 ///   on the H 8 / H 16 decode rows this folds, 1-4% at H 64, and 2% faster on tree prefixes (H200, session 18).)
 ///
-/// Folding also needs the folded launch to fill about one wave ([`MIN_FOLDED_WAVE`]): below that, each
+/// Folding also needs the folded launch to fill about one wave ([`MIN_FOLDED_CTAS`]): below that, each
 /// CTA runs its four chunks back to back at the latency floor (60 µs or more), where this estimate is
 /// the least reliable. 256 folded CTAs (1024 chunks: H 16 at bs 64 × prefix 4096) leave 8 of the 264
 /// slots idle and fold.
@@ -395,7 +395,7 @@ impl Inputs<'_, '_> {
 /// (550 folded CTAs leave a last wave of 22: 10.8 · 1.03 against 8.7 · 1.11).
 fn folds(groups: usize, chunks: usize, tile_rows: usize) -> bool {
     let folded_ctas = groups.saturating_mul(chunks.div_ceil(FOLD));
-    if chunks <= 1 || (folded_ctas as f64) < MIN_FOLDED_WAVE * CHUNK_SLOTS as f64 {
+    if chunks <= 1 || folded_ctas < MIN_FOLDED_CTAS {
         return false;
     }
     let waves = |ctas: usize, per_cta: usize| {
