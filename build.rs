@@ -21,7 +21,10 @@ fn main() {
     println!("cargo:rerun-if-env-changed=KDTREE_CUDA_ARCHS");
 
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    let kernels = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    // Read when the script runs, not baked in when it is compiled: cargo may reuse one compiled build
+    // script for checkouts of the crate in other places (worktrees sharing a target folder).
+    let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let kernels = manifest_dir.join("kernels");
     let unity = write_unity_source(&kernels, &out_dir);
     let fatbin = out_dir.join("kernels.fatbin");
     let archs = env::var("KDTREE_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.to_string());
