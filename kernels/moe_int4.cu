@@ -8,7 +8,8 @@
 // of one quantization group; its products (128 + nibble) * x are exact and the MMA sums them in f32 onto
 // -136 * sum(x) (group_acts), which leaves the group sum of (nibble - 8) * x, and the bf16 scale is
 // applied once per group in f32 (acc = fma(scale, group_sum, acc)). A row group's K is split over a fixed
-// number of warps (interleaved chunks) whose partials are summed in order, so every output element is
+// number of warps (interleaved chunks, or pairs of chunks: NativeLayoutT PAIR_ORDER) whose partials are
+// summed in order, so every output element is
 // computed by the same operations whatever the batch: results are deterministic and batch invariant. The
 // same MMA path serves one token or many (no separate GEMV path): at a few tokens the kernels are bound
 // by weight bytes, not by the MMA lanes left idle. A block whose expert has one token leaves out only work
@@ -318,6 +319,19 @@ struct NativeStage : NativeRows {
 };
 __device__ __forceinline__ int native_swizzle(int row) { return (row >> 1) & 3; }
 
+// A two-chunk stage (NativeLayoutT with PAIRS): the 16 rows' 128 bytes of two consecutive chunks, a whole
+// L2 line of each row when its 8 groups start one, so that a copy instruction covers 4 lines instead of
+// 8 half lines. Row r keeps its 16-byte piece p at p ^ (r mod 8): the 8 rows of an ldmatrix matrix (the
+// same piece) fall in distinct banks.
+struct NativePairRows {
+    uint32_t word[16][32];  // [row][swizzled piece * 4 + word]
+};
+// A two-chunk stage with its scales (a layout without quads): row r's 8 scales of the two chunks, in
+// group order, one 16-byte piece per row.
+struct NativePairStage : NativePairRows {
+    __nv_bfloat16 scale[16][8];  // [row][group of the two chunks]
+};
+
 // The scales of 8 consecutive chunks of a 16-row tile, two quads: a quad's 16 groups of a row are one
 // 32-byte sector of the row's scales. Chunk c keeps its 4 groups of each row in slot c % 8, arranged as a
 // stage's scales (see NativeLayoutT).
@@ -351,9 +365,26 @@ struct ScaleQuads {
 // rows per chunk completing on an mbarrier, whose 64-byte swizzle mode is native_swizzle, passed the
 // tests but moved the forward by under 1.1% either way at T 1-64 and made the one-token down kernel 8%
 // slower alone: the loop grew from 689 to 741 instructions per round of 3 chunks; session 25, H200.)
-template <bool QUADS>
+//
+//
+// PAIR_ORDER: K slices take pairs of neighbouring chunks (with KSPLIT slices, slice s takes chunks 2s,
+// 2s + 1, 2s + 2 KSPLIT, 2s + 2 KSPLIT + 1, ...), so that one warp reads both halves of a row's 128-byte
+// line; with one K slice (QUADS) that is the plain chunk order. A warp's chunk sequence then steps by 1
+// and 2 KSPLIT - 1 in turn, so the chunk loop unrolls by an even number of chunks (warp_gemm) and the
+// cursor always stands at the first chunk of a pair. Every native gate/up kernel takes this order (a
+// token's h must not depend on which kernel serves it).
+// PAIRS (implies PAIR_ORDER) stages both chunks of a pair at once, in a NativePairRows (with QUADS) or a
+// NativePairStage: lane l copies piece l % 8 of rows l / 8 + 4i, whole 128-byte lines (no line hint
+// needed), lanes 0..15 the 16 bytes of their row's scales, and `read` takes the chunk's half of the stage.
+// The chunks and their arithmetic are those of one-chunk stages in the same order, so are the bits.
+template <bool QUADS, bool PAIRS = false, bool PAIR_ORDER = PAIRS>
 struct NativeLayoutT {
-    typedef typename std::conditional<QUADS, NativeRows, NativeStage>::type Stage;
+    static_assert(PAIR_ORDER || !PAIRS, "a two-chunk stage holds a pair of the pair order");
+    typedef typename std::conditional<
+        PAIRS, typename std::conditional<QUADS, NativePairRows, NativePairStage>::type,
+        typename std::conditional<QUADS, NativeRows, NativeStage>::type>::type Stage;
+    static constexpr int STAGE_CHUNKS = PAIRS ? 2 : 1;
+    static constexpr bool ORDER_BY_PAIRS = PAIR_ORDER;
     static constexpr bool ACTS_PERMUTED = true;  // nibble i of a word is element i (see group_acts)
     static constexpr size_t SCALE_BYTES = QUADS ? sizeof(ScaleQuads) : 0;  // per cursor (m16 tile)
     const uint4* piece;                // the lane's group of row l / 4 in the current chunk
@@ -363,16 +394,29 @@ struct NativeLayoutT {
     ScaleQuads* quads;                 // QUADS: the cursor's scale slots
     const __nv_bfloat16* scale_hi;     // QUADS: scale_row 8 rows on
     uint32_t quad_copy, quad_read;     // QUADS: shared addresses of the lane's copy slot and read row, slot 0
-    int g0, groups, step;              // step: groups from one staged chunk to the next
+    int g0, groups, step;              // step: groups from one chunk (PAIR_ORDER: pair) of the warp to the next
+
+    // Chunks from the warp's current chunk to its chunk `ahead` places on, for K slices `chunk_step`
+    // chunks apart (pair order: pairs 2 chunk_step apart; `ahead` counts from the first of a pair).
+    __host__ __device__ static constexpr int chunk_offset(int ahead, int chunk_step) {
+        return PAIR_ORDER ? (ahead >> 1) * 2 * chunk_step + (ahead & 1) : ahead * chunk_step;
+    }
+    __device__ __forceinline__ int skip(int ahead) const {  // the same in groups
+        return PAIR_ORDER ? (ahead >> 1) * step + (ahead & 1) * CHUNK_GROUPS : ahead * step;
+    }
 
     __device__ __forceinline__ NativeLayoutT(const uint32_t* packed, const __nv_bfloat16* scale, int row0,
                                              int groups_, int chunk, int chunk_step, unsigned char* scale_ring) {
         const int lane = threadIdx.x & 31;
         groups = groups_;
-        step = QUADS ? CHUNK_GROUPS : chunk_step * CHUNK_GROUPS;  // QUADS: one K slice (BlockShape)
+        // QUADS: one K slice (BlockShape), so chunk_step is 1.
+        step = (PAIR_ORDER ? 2 : 1) * (QUADS ? 1 : chunk_step) * CHUNK_GROUPS;
         g0 = chunk * CHUNK_GROUPS;
         base = reinterpret_cast<const uint4*>(packed);
-        piece = base + (size_t)(row0 + (lane >> 2)) * groups + g0 + (lane & 3);  // one 16-byte piece per group
+        if (PAIRS)
+            piece = base + (size_t)(row0 + (lane >> 3)) * groups + g0 + (lane & 7);  // rows l / 8 + 4i, see stage
+        else
+            piece = base + (size_t)(row0 + (lane >> 2)) * groups + g0 + (lane & 3);  // one 16-byte piece per group
         piece_hi = piece + (size_t)8 * groups;
         if constexpr (QUADS) {
             scale_row = scale + (size_t)(row0 + (lane >> 2)) * groups + g0 + CHUNK_GROUPS * (lane & 3);
@@ -387,15 +431,45 @@ struct NativeLayoutT {
 
     template <bool WHOLE>
     __device__ __forceinline__ void stage(Stage* dst, int ahead) const {
-        const int lane = threadIdx.x & 31, row = lane >> 2, j = lane & 3, skip = ahead * step, g = g0 + skip;
-        const bool in = WHOLE || g + j < groups;
-        const int at = 4 * (j ^ native_swizzle(row));  // the same for row + 8
-        cp_async16_line(&dst->word[row][at], in ? piece + skip : base, in ? 16 : 0);
-        cp_async16_line(&dst->word[row + 8][at], in ? piece_hi + skip : base, in ? 16 : 0);
+        if constexpr (PAIRS) {
+            stage_pair<WHOLE>(dst, ahead);
+        } else {
+            const int lane = threadIdx.x & 31, row = lane >> 2, j = lane & 3, at_g = skip(ahead), g = g0 + at_g;
+            const bool in = WHOLE || g + j < groups;
+            const int at = 4 * (j ^ native_swizzle(row));  // the same for row + 8
+            cp_async16_line(&dst->word[row][at], in ? piece + at_g : base, in ? 16 : 0);
+            cp_async16_line(&dst->word[row + 8][at], in ? piece_hi + at_g : base, in ? 16 : 0);
+            if constexpr (QUADS) {
+                stage_quad<WHOLE>(at_g);
+            } else if (lane < 16) {
+                stage_scales<WHOLE>(dst->scale[lane & 7][lane >> 3], scale_row + at_g, g);
+            }
+        }
+    }
+
+    // PAIRS: the chunks `ahead` and `ahead + 1` past the cursor's (`ahead` even), their rows and scales.
+    template <bool WHOLE>
+    __device__ __forceinline__ void stage_pair(Stage* dst, int ahead) const {
+        const int lane = threadIdx.x & 31, row = lane >> 3, p = lane & 7, at_g = skip(ahead), g = g0 + at_g;
+        const bool in = WHOLE || g + p < groups;
+        const u64 policy = l2_evict_first();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = row + 4 * i;
+            cp_async16_hint(&dst->word[r][4 * (p ^ (r & 7))], in ? piece + (size_t)i * 4 * groups + at_g : base,
+                            in ? 16 : 0, policy);
+        }
         if constexpr (QUADS) {
-            stage_quad<WHOLE>(skip);
+            stage_quad<WHOLE>(at_g);
+            stage_quad<WHOLE>(at_g + CHUNK_GROUPS);
         } else if (lane < 16) {
-            stage_scales<WHOLE>(dst->scale[lane & 7][lane >> 3], scale_row + skip, g);
+            if (WHOLE) {
+                cp_async16_line(dst->scale[lane], scale_row + at_g, 16);
+            } else {
+#pragma unroll
+                for (int q = 0; q < 2 * CHUNK_GROUPS; ++q)
+                    dst->scale[lane][q] = g + q < groups ? scale_row[at_g + q] : __float2bfloat16_rn(0.0f);
+            }
         }
     }
 
@@ -432,29 +506,37 @@ struct NativeLayoutT {
         }
     }
 
-    __device__ __forceinline__ void advance(int chunks) {
-        piece += chunks * step;
-        piece_hi += chunks * step;
-        scale_row += chunks * step;
-        if (QUADS) scale_hi += chunks * step;
-        g0 += chunks * step;
+    __device__ __forceinline__ void advance(int chunks) {  // pair order: an even number
+        const int by = skip(chunks);
+        piece += by;
+        piece_hi += by;
+        scale_row += by;
+        if (QUADS) scale_hi += by;
+        g0 += by;
     }
 
     // The lane's words of rows r and r + 8 (one per group) and their scales, as the tiled stage gives them:
     // one ldmatrix per 8 rows, whose matrix j is group j (lanes 8j .. 8j + 7 give its rows' addresses).
+    // PAIRS: the chunk's half of the stage, pieces 4 (ahead % 2) + j (the cursor stands at an even chunk).
     __device__ __forceinline__ void read(const Stage& s, int ahead, uint4& lo, uint4& hi, uint4& scales) const {
         const int lane = threadIdx.x & 31, row = lane & 7, j = lane >> 3;
-        const uint32_t* piece = &s.word[row][4 * (j ^ native_swizzle(row))];  // the same for row + 8
+        const uint32_t* piece = PAIRS ? &s.word[row][4 * ((4 * (ahead & 1) + j) ^ row)]
+                                      : &s.word[row][4 * (j ^ native_swizzle(row))];  // the same for row + 8
         uint32_t w[4];
         ldmatrix_x4(w, piece);
         lo = make_uint4(w[0], w[1], w[2], w[3]);
-        ldmatrix_x4(w, piece + 8 * 16);
+        ldmatrix_x4(w, piece + 8 * (sizeof(s.word[0]) / sizeof(uint32_t)));
         hi = make_uint4(w[0], w[1], w[2], w[3]);
         if constexpr (QUADS) {
             const uint32_t at = quad_read + (((g0 / CHUNK_GROUPS + ahead) & 7) << 7);
             asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                          : "=r"(scales.x), "=r"(scales.y), "=r"(scales.z), "=r"(scales.w)
                          : "r"(at));
+        } else if constexpr (PAIRS) {
+            const int r = lane >> 2, q = CHUNK_GROUPS * (ahead & 1);
+            const uint2 lo_row = *reinterpret_cast<const uint2*>(&s.scale[r][q]);
+            const uint2 hi_row = *reinterpret_cast<const uint2*>(&s.scale[r + 8][q]);
+            scales = make_uint4(lo_row.x, lo_row.y, hi_row.x, hi_row.y);
         } else {
             scales = *reinterpret_cast<const uint4*>(&s.scale[lane >> 2][0][0]);
         }
@@ -467,6 +549,8 @@ typedef NativeLayoutT<false> NativeLayout;
 struct TiledLayout {
     typedef StageTile Stage;
     static constexpr bool ACTS_PERMUTED = false;  // int4_tile's nibble order (see group_acts)
+    static constexpr int STAGE_CHUNKS = 1;
+    static constexpr bool ORDER_BY_PAIRS = false;
     static constexpr size_t SCALE_BYTES = 0;   // the scales travel in the stage
     const uint4* words;   // the lane's first piece of the current chunk
     const uint4* scales;  // the scale piece of lane % 8
@@ -490,6 +574,8 @@ struct TiledLayout {
         cp_async16_hint(&dst->word[1][lane], words + 64 * skip + 32, 16, policy);
         if (lane < 8) cp_async16_hint(&dst->scale[lane][0][0], scales + 8 * skip, 16, policy);
     }
+
+    __host__ __device__ static constexpr int chunk_offset(int ahead, int chunk_step) { return ahead * chunk_step; }
 
     __device__ __forceinline__ void advance(int chunks) {
         words += 64 * chunks * step;
@@ -667,7 +753,13 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     static_assert(SLOTS == 8 || ONE, "a stage of fewer token slots serves one token");
     static_assert(SLOTS == 8 || SLOTS == 1, "one token slot staged, or all 8");
     static_assert(!ONE || NT == 1, "one token fills one n8 tile");
-    static_assert(Layout::SCALE_BYTES == 0 || STAGES <= 4, "a scale quad is rewritten 8 chunks on (NativeLayoutT)");
+    // Chunks per stage (Layout::STAGE_CHUNKS, 1 or 2) and in the ring: a stage is one cp.async group and
+    // is refilled once all its chunks are used; below, "chunk" counts chunks and "stage" stages.
+    constexpr int CPS = Layout::STAGE_CHUNKS, RING = STAGES * CPS;
+    // The loop below unrolls by rings, so that the cursors stand at the first chunk of a pair in pair order
+    // (NativeLayoutT), where a chunk's offset from them then is a constant.
+    static_assert(!Layout::ORDER_BY_PAIRS || RING % 2 == 0, "pair order: an even number of chunks in the ring");
+    static_assert(Layout::SCALE_BYTES == 0 || RING <= 4, "a scale quad is rewritten 8 chunks on (NativeLayoutT)");
     const int groups = args.cols / GROUP;
     const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
 #pragma unroll
@@ -689,7 +781,7 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     const uint4* act_chunk = act[0] + first * CHUNK_GROUPS * (GROUP / 8);
     int act_group = first * CHUNK_GROUPS;
     auto stage_acts = [&](int stage, int ahead) {
-        const int skip = ahead * step * CHUNK_GROUPS, g = act_group + skip;  // in groups
+        const int skip = Layout::chunk_offset(ahead, step) * CHUNK_GROUPS, g = act_group + skip;  // in groups
         const uint4* src = act_chunk + skip * (GROUP / 8);
         if (ONE) {
             if (r < CHUNK_GROUPS) {
@@ -707,62 +799,77 @@ __device__ void warp_gemm(float (&acc)[MT][NT][4], const GemmArgs<MT>& args, con
     auto advance = [&](int chunks) {
 #pragma unroll
         for (int m = 0; m < MT; ++m) cursor[m].advance(chunks);
-        act_chunk += chunks * step * CHUNK_GROUPS * (GROUP / 8);
-        act_group += chunks * step * CHUNK_GROUPS;
+        act_chunk += Layout::chunk_offset(chunks, step) * CHUNK_GROUPS * (GROUP / 8);
+        act_group += Layout::chunk_offset(chunks, step) * CHUNK_GROUPS;
     };
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-        if (s < count) stage_weights(s, s);
-        cp_async_commit();  // also when empty, so the group count stays one per chunk
+        if (s * CPS < count) stage_weights(s, s * CPS);
+        cp_async_commit();  // also when empty, so the group count stays one per stage
     }
     if (NT == 1 && r >= tokens && SLOTS == 8) {
 #pragma unroll
-        for (int s = 0; s < STAGES; ++s)
+        for (int s = 0; s < RING; ++s)
 #pragma unroll
             for (int j = 0; j < CHUNK_GROUPS; ++j) acts[s].x[j][r][c] = make_uint4(0, 0, 0, 0);
     }
     const ActStageT<SLOTS>* reads = acts;  // the lane's activation ring (see ActStageT)
     if (SLOTS < 8) {
-        uint4* zeros = acts[STAGES].x[0][0];
-        for (int i = lane; i < STAGES * (int)(sizeof(ActStageT<SLOTS>) / sizeof(uint4)); i += 32)
+        uint4* zeros = acts[RING].x[0][0];
+        for (int i = lane; i < RING * (int)(sizeof(ActStageT<SLOTS>) / sizeof(uint4)); i += 32)
             zeros[i] = make_uint4(0, 0, 0, 0);
-        if (r >= SLOTS) reads = acts + STAGES;
+        if (r >= SLOTS) reads = acts + RING;
     }
     wait_inputs();
     pdl_launch_dependents();
     if (NT == 1) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
-            if (s < count) stage_acts(s, s);
+#pragma unroll
+            for (int half = 0; half < CPS; ++half)
+                if (s * CPS + half < count) stage_acts(s * CPS + half, s * CPS + half);
             cp_async_commit();
         }
     }
     uint32_t minus136[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) minus136[i] = *static_cast<volatile const uint32_t*>(&minus136_pair);
-    // Rounds of STAGES chunks, unrolled, so that each chunk's stage is a constant; the cursors stand at
-    // chunk i (the round's first) throughout a round.
-    for (int i = 0; i < count; i += STAGES) {
+    // Rounds of RING chunks, unrolled, so that each chunk's stage, slot and offset are constants; the
+    // cursors stand at chunk i (the round's first) throughout a round.
+    for (int i = 0; i < count; i += RING) {
 #pragma unroll
-        for (int use = 0; use < STAGES; ++use) {  // chunk i + use, in stage `use`
-            if (i + use >= count) break;
-            cp_async_wait<STAGES - 1>();  // the chunk's weights (and activations) have landed for this lane ...
+        for (int first_of_stage = 0; first_of_stage < RING; first_of_stage += CPS) {
+            const int stage = first_of_stage / CPS;  // chunks i + first_of_stage .., in stage `stage`
+            if (i + first_of_stage >= count) break;
+            cp_async_wait<STAGES - 1>();  // the stage's weights (and activations) have landed for this lane ...
             __syncwarp();                 // ... and for every lane
-            uint4 x[CHUNK_GROUPS];
-            if (NT == 1) {
 #pragma unroll
-                for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = reads[use].x[j][SLOTS == 8 ? r : 0][c];
+            for (int half = 0; half < CPS; ++half) {
+                const int ahead = first_of_stage + half;  // the chunk's place in the round
+                if (CPS > 1 && i + ahead >= count) break;
+                uint4 x[CHUNK_GROUPS];
+                if (NT == 1) {
+#pragma unroll
+                    for (int j = 0; j < CHUNK_GROUPS; ++j) x[j] = reads[ahead].x[j][SLOTS == 8 ? r : 0][c];
+                }
+                const int g0 = (first + Layout::chunk_offset(i + ahead, step)) * CHUNK_GROUPS;
+                chunk_mma<Layout, MT, NT, ONE, WHOLE>(acc, cursor, ring + stage * MT, ahead, x, act, g0, groups,
+                                                      minus136);
             }
-            const int g0 = (first + (i + use) * step) * CHUNK_GROUPS;
-            chunk_mma<Layout, MT, NT, ONE, WHOLE>(acc, cursor, ring + use * MT, use, x, act, g0, groups, minus136);
             __syncwarp();  // every lane is done with the stage before it is refilled
-            if (i + use + STAGES < count) {
-                stage_weights(use, use + STAGES);
-                if (NT == 1) stage_acts(use, use + STAGES);
+            if (i + first_of_stage + RING < count) {
+                stage_weights(stage, first_of_stage + RING);
+                if (NT == 1) {
+#pragma unroll
+                    for (int half = 0; half < CPS; ++half) {
+                        const int ahead = first_of_stage + half + RING;
+                        if (i + ahead < count) stage_acts(ahead - RING, ahead);
+                    }
+                }
             }
             cp_async_commit();
         }
-        advance(STAGES);
+        advance(RING);
     }
     cp_async_wait<0>();
 }
@@ -811,7 +918,7 @@ __device__ __forceinline__ bool block_expert(const BlockRouting& r, ExpertSlice&
 __device__ __forceinline__ int frag_row(int lane, int i) { return (lane >> 2) + (i >= 2 ? 8 : 0); }
 __device__ __forceinline__ int frag_col(int n, int lane, int i) { return n * 8 + 2 * (lane & 3) + (i & 1); }
 
-// A block's geometry: WARPS = KSPLIT warps splitting K by interleaved chunks x RGROUPS row groups of
+// A block's geometry: WARPS = KSPLIT warps splitting K by interleaved chunks (or pairs) x RGROUPS row groups of
 // MT m16 tiles. Shared memory: the warps' weight stage rings, activation stage rings (one n8 tile) and
 // scale rings (layouts that stage scales apart, NativeLayoutT), then, with K split over several warps, the
 // partial sums [KSPLIT][RGROUPS][frag]. With one K slice each warp's accumulators are its row group's
@@ -824,8 +931,9 @@ struct BlockShape {
     static constexpr int FRAG = MT * NT * 128;  // accumulators of one warp
     static constexpr bool PARTIALS = KSPLIT > 1;
     static constexpr size_t WEIGHT_RING_BYTES = (size_t)WARPS * STAGES * MT * sizeof(Stage);
+    static constexpr int RING = STAGES * Layout::STAGE_CHUNKS;  // activation stages: one per chunk
     static constexpr size_t ACT_RING_BYTES =  // SLOTS < 8: the ring, then its zeros (ActStageT)
-        NT == 1 ? (size_t)WARPS * STAGES * sizeof(ActStageT<SLOTS>) * (SLOTS < 8 ? 2 : 1) : 0;
+        NT == 1 ? (size_t)WARPS * RING * sizeof(ActStageT<SLOTS>) * (SLOTS < 8 ? 2 : 1) : 0;
     static constexpr size_t SCALE_RING_BYTES = (size_t)WARPS * MT * Layout::SCALE_BYTES;
     static constexpr size_t RING_BYTES = WEIGHT_RING_BYTES + ACT_RING_BYTES + SCALE_RING_BYTES;
     static constexpr size_t SHARED_BYTES = RING_BYTES + (PARTIALS ? (size_t)WARPS * FRAG * sizeof(float) : 0);
@@ -836,10 +944,18 @@ struct BlockShape {
     }
     __device__ static ActStageT<SLOTS>* act_ring(unsigned char* smem) {
         return reinterpret_cast<ActStageT<SLOTS>*>(smem + WEIGHT_RING_BYTES) +
-               (threadIdx.x >> 5) * STAGES * (SLOTS < 8 ? 2 : 1);
+               (threadIdx.x >> 5) * RING * (SLOTS < 8 ? 2 : 1);
     }
     __device__ static unsigned char* scale_ring(unsigned char* smem) {
         return smem + WEIGHT_RING_BYTES + ACT_RING_BYTES + (size_t)(threadIdx.x >> 5) * MT * Layout::SCALE_BYTES;
+    }
+
+    // How many of the `chunks` chunks the K slice whose first chunk is `first` takes.
+    __device__ static int slice_chunks(int chunks, int first) {
+        if (!Layout::ORDER_BY_PAIRS) return (chunks - first + KSPLIT - 1) / KSPLIT;
+        const int whole = chunks / 2, pair = first / 2;  // whole pairs, and the slice's first pair
+        const int pairs = (whole - pair + KSPLIT - 1) / KSPLIT;
+        return 2 * max(pairs, 0) + (chunks % 2 != 0 && whole % KSPLIT == pair ? 1 : 0);
     }
 
     // Runs the warp's share of a pass into `acc` and, with several K slices, leaves it in the partials.
@@ -849,10 +965,11 @@ struct BlockShape {
                                 int tokens, bool rows_valid, WaitInputs wait_inputs, float (&acc)[MT][NT][4]) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kslice = warp % KSPLIT;
         const int chunks = (args.cols / GROUP + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
-        // The K slices interleave by chunk (slice s takes chunks s, s + KSPLIT, ...), so a block's warps
-        // read neighbouring chunks at about the same time.
-        const int count = rows_valid ? (chunks - kslice + KSPLIT - 1) / KSPLIT : 0;
-        warp_gemm<Layout, MT, NT, STAGES, ONE, WHOLE>(acc, args, act, tokens, kslice, count, KSPLIT, ring(smem),
+        // The K slices interleave by chunk (slice s takes chunks s, s + KSPLIT, ...) or by pairs of chunks
+        // (Layout::ORDER_BY_PAIRS), so a block's warps read neighbouring chunks at about the same time.
+        const int first = Layout::ORDER_BY_PAIRS ? 2 * kslice : kslice;
+        const int count = rows_valid ? slice_chunks(chunks, first) : 0;
+        warp_gemm<Layout, MT, NT, STAGES, ONE, WHOLE>(acc, args, act, tokens, first, count, KSPLIT, ring(smem),
                                                       act_ring(smem), scale_ring(smem), wait_inputs);
         if (!PARTIALS) return;
         float* out = reinterpret_cast<float*>(smem + RING_BYTES) + (size_t)warp * FRAG;
@@ -894,17 +1011,27 @@ template <>
 struct DownView<NativeLayout> {
     typedef NativeLayoutT<true> type;
 };
+// The one-token down GEMM's view: the native layout stages two chunks at a time as well (NativePairRows).
+template <class Layout>
+struct DirectDownView {
+    typedef typename DownView<Layout>::type type;
+};
+template <>
+struct DirectDownView<NativeLayout> {
+    typedef NativeLayoutT<true, true> type;
+};
 
 // GEMM 1: h[pos, act_column(j)] = bf16(silu(x · gate_j) * (x · up_j)) for the expert's sorted positions
 // `pos`, x's elements in act_column order as well. A row group covers 16 rows j of gate (m tile 0) and of up (m tile 1). Grid: (I / (16 RGROUPS),
 // active experts).
 // The narrow kernel counts each block done in handoff[slot] (rule H).
-template <class Layout, int NT, int KSPLIT, int STAGES, bool ONE, bool WHOLE>
+// Layout: a gate/up view (GateUp, DirectGateUp); STAGES counts its stages.
+template <class Layout, int NT, int KSPLIT, int STAGES, bool ONE, bool WHOLE, int SLOTS = 8>
 __device__ void gate_up(const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,
                         const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k,
                         const int* __restrict__ sorted_pairs, const ExpertSlice& ex, __nv_bfloat16* __restrict__ h,
                         int* __restrict__ handoff) {
-    typedef BlockShape<Layout, 2, NT, KSPLIT, STAGES> Shape;
+    typedef BlockShape<Layout, 2, NT, KSPLIT, STAGES, SLOTS> Shape;
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, rg = (threadIdx.x >> 5) / KSPLIT;
     const int j0 = (blockIdx.x * Shape::RGROUPS + rg) * 16;
@@ -952,12 +1079,13 @@ __device__ __forceinline__ void wait_for_expert(int* handoff, int gate_up_blocks
 }
 
 // GEMM 2: y[pair, r] = h[pos] · down_r; a row group covers 32 rows (two m16 tiles).
-// Grid: (ceil(H / (32 RGROUPS)), active experts). ONE: the expert has one token (see group_mma).
-template <class Layout, int NT, int KSPLIT, int STAGES, bool ONE, bool WHOLE, int SLOTS = 8>
+// Grid: (ceil(H / (32 RGROUPS)), active experts). ONE: the expert has one token (see group_mma). View: the
+// layout's DownView (or DirectDownView); STAGES counts its stages.
+template <class View, int NT, int KSPLIT, int STAGES, bool ONE, bool WHOLE, int SLOTS = 8>
 __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __restrict__ w2,
                      const __nv_bfloat16* __restrict__ w2_scale, int H, int I, const int* __restrict__ sorted_pairs,
                      bool direct, const ExpertSlice& ex, float* __restrict__ y, int* __restrict__ handoff) {
-    typedef BlockShape<typename DownView<Layout>::type, 2, NT, KSPLIT, STAGES, SLOTS> Shape;
+    typedef BlockShape<View, 2, NT, KSPLIT, STAGES, SLOTS> Shape;
     static_assert(!Shape::PARTIALS, "each warp is a row group: its results are stored from its registers");
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, rg = threadIdx.x >> 5;
@@ -1007,24 +1135,60 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
 // 1% (session 12, tiled). Two gate/up K slices instead of four (every gate/up kernel alike, as batch
 // invariance needs; at one token one wave of 2-warp blocks instead of 1.94 of 4-warp ones) made the
 // native forward 2-12% slower at T 1-64, the tiled one 2.3% slower at T 1 and 2.6-3.0% faster at
-// T 16-64 (session 25, H200). The narrow kernels stage 3 chunks of weights and activations per warp: four
-// 4-warp gate/up blocks (55 KB) or 15-16 one-warp down blocks (13 KB, the native ones 14 KB with their
-// scale quads) fit an SM's 228 KB, as many as the 128 registers of their threads allow.
+// T 16-64 (session 25, H200). The narrow kernels stage 3 chunks of weights and activations per warp (the
+// native gate/up GEMM 2, see GateUp): four 4-warp gate/up blocks (55 KB) or 15-16 one-warp down blocks
+// (13 KB, the native ones 14 KB with their scale quads) fit an SM's 228 KB, as many as the 128 registers
+// of their threads allow.
 constexpr int GATE_UP_KSPLIT = 4;
 constexpr int DOWN_KSPLIT = 1;
 constexpr int NARROW_STAGES = 3;
 constexpr int WIDE_STAGES = 2;
 // The native down GEMM of one token (moe_down_direct_native) stages one token slot of activations (256
 // bytes a chunk instead of 2 KB), which leaves room for a fourth chunk in flight at 16 one-warp blocks an
-// SM (see down_direct_kernel).
+// SM (see down_direct_kernel); it counts chunks, staged two at a time (DirectDownView).
 constexpr int DIRECT_DOWN_STAGES = 4;
 
-// Calls f(std::true_type) when K = `cols` splits into whole chunks (every Kimi-K2 matrix), else
-// f(std::false_type): the chunk loops of the first kind check no bounds (the native layout's copies and
-// the activations' would otherwise select addresses and sizes per copy), the others zero what lies past K.
-template <class F>
+// The gate/up GEMMs of a layout, narrow (NT 1) or wide: their view, stages and blocks per SM. The native
+// layout's K slices take pairs of chunks (NativeLayoutT PAIR_ORDER), and its rings hold an even number of
+// chunks (warp_gemm): the narrow one 2 (38 KB a block). On the H200 (session 28, against 3 chunks in the
+// chunk order) that made the native forward 1.0-1.8% faster at T 4-16; 3 chunks in pair order, whose
+// loop then unrolls by 6 (1278 sm_90 instructions, against 645 by 3), were 1.0-1.9% slower, and 2
+// two-chunk stages (72 KB, three blocks an SM) within 0.7% of the chunk order.
+template <class Layout, int NT>
+struct GateUp {
+    typedef Layout View;
+    static constexpr int STAGES = NT == 1 ? NARROW_STAGES : WIDE_STAGES;
+    static constexpr int MIN_BLOCKS = gemm_min_blocks(NT, GATE_UP_KSPLIT);
+};
+template <int NT>
+struct GateUp<NativeLayout, NT> {
+    typedef NativeLayoutT<false, false, true> View;
+    static constexpr int STAGES = NT == 1 ? 2 : WIDE_STAGES;
+    static constexpr int MIN_BLOCKS = NT == 1 ? 4 : 1;
+};
+
+// The gate/up GEMM of one token: the tiled layout runs the narrow kernel's ring; the native one stages
+// both chunks of a pair at once (NativeLayoutT PAIRS: each copy instruction 4 whole 128-byte lines instead
+// of 8 half lines) in a ring of 2, 4 chunks in flight, with one-slot activation stages, so that four
+// 4-warp blocks still fit an SM (48 KB each).
+template <class Layout>
+struct DirectGateUp {
+    typedef Layout View;
+    static constexpr int STAGES = NARROW_STAGES, SLOTS = 8;
+};
+template <>
+struct DirectGateUp<NativeLayout> {
+    typedef NativeLayoutT<false, true> View;
+    static constexpr int STAGES = 2, SLOTS = 1;
+};
+
+// Calls f(std::true_type) when K = `cols` splits into whole stages of STAGE_CHUNKS chunks (every Kimi-K2
+// matrix), else f(std::false_type): the chunk loops of the first kind check no bounds (the native layout's
+// copies and the activations' would otherwise select addresses and sizes per copy), the others zero what
+// lies past K.
+template <int STAGE_CHUNKS = 1, class F>
 __device__ __forceinline__ void with_whole_chunks(int cols, F f) {
-    if (cols % (GROUP * CHUNK_GROUPS) == 0)
+    if (cols % (GROUP * CHUNK_GROUPS * STAGE_CHUNKS) == 0)
         f(std::true_type{});
     else
         f(std::false_type{});
@@ -1032,10 +1196,10 @@ __device__ __forceinline__ void with_whole_chunks(int cols, F f) {
 
 // Calls f(one_path, whole) with both as std::bool_constant: one_path when `one` (an expert with one token,
 // see group_mma) and MAY_BE_ONE, so that kernels of several n8 tiles never instantiate it; whole as in
-// with_whole_chunks(cols).
-template <bool MAY_BE_ONE, class F>
+// with_whole_chunks<STAGE_CHUNKS>(cols).
+template <bool MAY_BE_ONE, int STAGE_CHUNKS, class F>
 __device__ __forceinline__ void with_paths(bool one, int cols, F f) {
-    with_whole_chunks(cols, [&](auto whole) {
+    with_whole_chunks<STAGE_CHUNKS>(cols, [&](auto whole) {
         if (MAY_BE_ONE && one)
             f(std::bool_constant<MAY_BE_ONE>{}, whole);
         else
@@ -1046,7 +1210,7 @@ __device__ __forceinline__ void with_paths(bool one, int cols, F f) {
 // Experts with at most 8 tokens take the narrow kernels (one n8 tile, a deep pipeline), the others the
 // wide ones (2 n8 tiles per pass), so the common few-token case keeps its registers and occupancy. Both
 // compute every element with the same operations, so which one serves an expert changes no result.
-template <class Layout, int NT, int STAGES>
+template <class Layout, int NT>
 __device__ __forceinline__ void gate_up_kernel(const __nv_bfloat16* x, const uint32_t* w13,
                                                const __nv_bfloat16* w13_scale, int H, int I, int k,
                                                const int4* slices, const int* num_active, const int* pairs,
@@ -1059,24 +1223,26 @@ __device__ __forceinline__ void gate_up_kernel(const __nv_bfloat16* x, const uin
     if (!aligned_expert(slices, num_active, ex) || (ex.count > 8) != (NT > 1)) return;
     // Most experts of a few-token routing have one token (at T 16, 90 of about 109 on Kimi-K2's 384).
     const bool one = NT == 1 && ex.count == 1;
-    with_paths<NT == 1>(one, H, [&](auto one_path, auto whole) {
-        gate_up<Layout, NT, GATE_UP_KSPLIT, STAGES, decltype(one_path)::value, decltype(whole)::value>(
+    typedef GateUp<Layout, NT> G;
+    with_paths<NT == 1, G::View::STAGE_CHUNKS>(one, H, [&](auto one_path, auto whole) {
+        gate_up<typename G::View, NT, GATE_UP_KSPLIT, G::STAGES, decltype(one_path)::value, decltype(whole)::value>(
             x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
     });
 }
 
 // The gate/up GEMM of one token (direct_expert): the expert is known before the wait, so warp_gemm
 // issues the first weight stages while the kernels before finish.
-template <class Layout, int STAGES>
+template <class Layout>
 __device__ __forceinline__ void gate_up_direct_kernel(const __nv_bfloat16* x, const uint32_t* w13,
                                                       const __nv_bfloat16* w13_scale, int H, int I,
                                                       const int* topk_ids, int experts, __nv_bfloat16* h,
                                                       int* handoff) {
+    typedef DirectGateUp<Layout> D;
     ExpertSlice ex;
     if (direct_expert(topk_ids, experts, ex))
-        with_whole_chunks(H, [&](auto whole) {
-            gate_up<Layout, 1, GATE_UP_KSPLIT, STAGES, true, decltype(whole)::value>(x, w13, w13_scale, H, I, 1,
-                                                                                    nullptr, ex, h, handoff);
+        with_whole_chunks<D::View::STAGE_CHUNKS>(H, [&](auto whole) {
+            gate_up<typename D::View, 1, GATE_UP_KSPLIT, D::STAGES, true, decltype(whole)::value, D::SLOTS>(
+                x, w13, w13_scale, H, I, 1, nullptr, ex, h, handoff);
         });
     pdl_wait();  // rule W on every path (a block that ran has waited in warp_gemm already)
 }
@@ -1090,8 +1256,9 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
     ExpertSlice ex;
     if (block_expert(routing, ex) && (ex.count > 8) == (NT > 1)) {
         const bool direct = routing.direct, one = NT == 1 && ex.count == 1;  // always one for a direct routing
-        with_paths<NT == 1>(one, I, [&](auto one_path, auto whole) {
-            down<Layout, NT, DOWN_KSPLIT, STAGES, decltype(one_path)::value, decltype(whole)::value>(
+        typedef typename DownView<Layout>::type View;
+        with_paths<NT == 1, View::STAGE_CHUNKS>(one, I, [&](auto one_path, auto whole) {
+            down<View, NT, DOWN_KSPLIT, STAGES, decltype(one_path)::value, decltype(whole)::value>(
                 h, w2, w2_scale, H, I, pairs, direct, ex, y, handoff);
         });
     }
@@ -1105,17 +1272,21 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16* h, const uint32
 // not faster (`experts` +0.1%, `step` +1.1%; session 25), so only the native layout has one. One m16 tile
 // a warp instead (3584 blocks of 16 rows, 28 an SM, same bits) was 5.6% slower: about 195 instructions a
 // chunk per 16 rows, since the activations' conversion and the copies' bookkeeping are then not shared
-// by two tiles (session 26, branch wip/moe-down-direct-mt1). The direct gate/up GEMM with these one-slot
-// stages and 4 chunks in flight gained nothing (`experts` T 1 -0.3%) and made the one-token step 2.7-5.1%
-// slower in both layouts (session 26, branch wip/moe-gate-up-direct-slots), so it keeps the narrow ring.
+// by two tiles (session 26, branch wip/moe-down-direct-mt1). Its two-chunk stages (DirectDownView) made the
+// native `experts` T 1 0.5-0.7% faster (session 27, branch wip/moe-down-pairs). The direct gate/up GEMM
+// with these one-slot stages and 4 one-chunk stages in flight gained nothing (`experts` T 1 -0.3%) and
+// made the one-token step 2.7-5.1% slower in both layouts (session 26, branch
+// wip/moe-gate-up-direct-slots); with two-chunk stages (DirectGateUp) the native one-token forward is
+// 5-6% faster (session 28, with the down GEMM's pairs).
 template <class Layout>
 __device__ __forceinline__ void down_direct_kernel(const __nv_bfloat16* h, const uint32_t* w2,
                                                    const __nv_bfloat16* w2_scale, int H, int I, const int* topk_ids,
                                                    int experts, float* y, int* handoff) {
+    typedef typename DirectDownView<Layout>::type View;
     ExpertSlice ex;
     if (direct_expert(topk_ids, experts, ex))
-        with_whole_chunks(I, [&](auto whole) {
-            down<Layout, 1, DOWN_KSPLIT, DIRECT_DOWN_STAGES, true, decltype(whole)::value, 1>(
+        with_whole_chunks<View::STAGE_CHUNKS>(I, [&](auto whole) {
+            down<View, 1, DOWN_KSPLIT, DIRECT_DOWN_STAGES / View::STAGE_CHUNKS, true, decltype(whole)::value, 1>(
                 h, w2, w2_scale, H, I, nullptr, true, ex, y, handoff);
         });
     pdl_wait();  // rule W on every path
@@ -1123,13 +1294,13 @@ __device__ __forceinline__ void down_direct_kernel(const __nv_bfloat16* h, const
 
 #define KDT_MOE_GEMMS(LAYOUT, NT, STAGES, SUFFIX)                                                          \
     extern "C" __global__ void __launch_bounds__(gemm_warps(NT, GATE_UP_KSPLIT) * 32,                         \
-                                                 gemm_min_blocks(NT, GATE_UP_KSPLIT))                         \
+                                                 GateUp<LAYOUT, NT>::MIN_BLOCKS)                              \
         moe_gate_up_##SUFFIX(const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,           \
                              const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k,                \
                              const int4* __restrict__ slices, const int* __restrict__ num_active,             \
                              const int* __restrict__ pairs, __nv_bfloat16* __restrict__ h,                    \
                              int* __restrict__ handoff) {                                                     \
-        gate_up_kernel<LAYOUT, NT, STAGES>(x, w13, w13_scale, H, I, k, slices, num_active, pairs, h, handoff); \
+        gate_up_kernel<LAYOUT, NT>(x, w13, w13_scale, H, I, k, slices, num_active, pairs, h, handoff); \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(gemm_warps(NT, DOWN_KSPLIT) * 32,                            \
                                                  gemm_min_blocks(NT, DOWN_KSPLIT))                            \
@@ -1142,7 +1313,7 @@ __device__ __forceinline__ void down_direct_kernel(const __nv_bfloat16* h, const
                                         direct}, pairs, y, handoff);                                          \
     }
 
-// The direct gate/up GEMM (one token, so narrow only), with the narrow kernel's geometry.
+// The direct gate/up GEMM (one token, so narrow only), with the narrow kernel's block (DirectGateUp).
 #define KDT_MOE_GATE_UP_DIRECT(LAYOUT, SUFFIX)                                                               \
     extern "C" __global__ void __launch_bounds__(gemm_warps(1, GATE_UP_KSPLIT) * 32,                          \
                                                  gemm_min_blocks(1, GATE_UP_KSPLIT))                          \
@@ -1150,7 +1321,7 @@ __device__ __forceinline__ void down_direct_kernel(const __nv_bfloat16* h, const
                                     const __nv_bfloat16* __restrict__ w13_scale, int H, int I,                \
                                     const int* __restrict__ topk_ids, int E, __nv_bfloat16* __restrict__ h,   \
                                     int* __restrict__ handoff) {                                              \
-        gate_up_direct_kernel<LAYOUT, NARROW_STAGES>(x, w13, w13_scale, H, I, topk_ids, E, h, handoff);       \
+        gate_up_direct_kernel<LAYOUT>(x, w13, w13_scale, H, I, topk_ids, E, h, handoff);                      \
     }
 
 // Narrow kernels are held to 128 registers so 16 warps share an SM; the wide ones keep their two n8
@@ -1173,11 +1344,16 @@ extern "C" __global__ void __launch_bounds__(gemm_warps(1, DOWN_KSPLIT) * 32, ge
 // Dynamic shared memory of each GEMM kernel, for the launcher (which must match these sizes).
 template <class Layout>
 constexpr bool fits_shared() {
-    return BlockShape<Layout, 2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::SHARED_BYTES <= 99 * 1024 &&
-           BlockShape<Layout, 2, 2, GATE_UP_KSPLIT, WIDE_STAGES>::SHARED_BYTES <= 99 * 1024 &&
+    typedef GateUp<Layout, 1> N;
+    typedef GateUp<Layout, 2> W;
+    typedef DirectGateUp<Layout> D;
+    return BlockShape<typename N::View, 2, 1, GATE_UP_KSPLIT, N::STAGES>::SHARED_BYTES <= 99 * 1024 &&
+           BlockShape<typename W::View, 2, 2, GATE_UP_KSPLIT, W::STAGES>::SHARED_BYTES <= 99 * 1024 &&
+           BlockShape<typename D::View, 2, 1, GATE_UP_KSPLIT, D::STAGES, D::SLOTS>::SHARED_BYTES <= 99 * 1024 &&
            BlockShape<typename DownView<Layout>::type, 2, 1, DOWN_KSPLIT, NARROW_STAGES>::SHARED_BYTES <= 99 * 1024 &&
            BlockShape<typename DownView<Layout>::type, 2, 2, DOWN_KSPLIT, WIDE_STAGES>::SHARED_BYTES <= 99 * 1024 &&
-           BlockShape<typename DownView<Layout>::type, 2, 1, DOWN_KSPLIT, DIRECT_DOWN_STAGES, 1>::SHARED_BYTES <=
+           BlockShape<typename DirectDownView<Layout>::type, 2, 1, DOWN_KSPLIT,
+                      DIRECT_DOWN_STAGES / DirectDownView<Layout>::type::STAGE_CHUNKS, 1>::SHARED_BYTES <=
                99 * 1024;  // moe_down_direct_native
 }
 static_assert(fits_shared<NativeLayout>() && fits_shared<TiledLayout>(), "GEMM shared memory over 99 KB");
@@ -1189,9 +1365,16 @@ static_assert(BlockShape<TiledLayout, 2, 1, GATE_UP_KSPLIT, NARROW_STAGES>::RGRO
 static_assert(GROUP % (16 * BlockShape<TiledLayout, 2, 2, GATE_UP_KSPLIT, WIDE_STAGES>::RGROUPS) == 0 &&
                   GROUP % (16 * BlockShape<NativeLayout, 2, 2, GATE_UP_KSPLIT, WIDE_STAGES>::RGROUPS) == 0,
               "a wide gate/up block's rows divide I");
-static_assert(sizeof(NativeStage) == 1152 && sizeof(NativeRows) == 1024 && sizeof(ScaleQuads) == 1024,
+static_assert(sizeof(NativeStage) == 1152 && sizeof(NativeRows) == 1024 && sizeof(ScaleQuads) == 1024 &&
+                  sizeof(NativePairRows) == 2 * sizeof(NativeRows) && sizeof(NativePairStage) == 2 * sizeof(NativeStage),
               "src/cuda/moe_int4.rs sizes the native stages and scale quads");
 static_assert(sizeof(StageTile) == 1152, "StageTile is the tiled layout's chunk image");
+static_assert(BlockShape<GateUp<NativeLayout, 1>::View, 2, 1, GATE_UP_KSPLIT, GateUp<NativeLayout, 1>::STAGES>::SHARED_BYTES ==
+                  38912,
+              "mirrored by gemm_shared_bytes_of in src/cuda/moe_int4.rs");
+static_assert(BlockShape<DirectGateUp<NativeLayout>::View, 2, 1, GATE_UP_KSPLIT, DirectGateUp<NativeLayout>::STAGES,
+                         DirectGateUp<NativeLayout>::SLOTS>::SHARED_BYTES == 49152,
+              "mirrored by direct_gate_up_shared_bytes in src/cuda/moe_int4.rs");
 static_assert(sizeof(ActStage) == 2048, "src/cuda/moe_int4.rs sizes the activation stages");
 
 // out[t, c] = Σ_slot weight[t, slot] · y[t * k + slot, c], in slot order, multiply and add rounded

@@ -67,8 +67,11 @@ const NARROW_TOKENS: usize = 8;
 /// n8 tiles x 128 floats). Must match BlockShape in the kernel.
 pub(crate) const fn gemm_shared_bytes_of(down: bool, wide: bool) -> usize {
     let ksplit = if down { DOWN_KSPLIT } else { GATE_UP_KSPLIT };
-    let (stages, n_tiles, act_stage) = if wide { (2, 2, 0) } else { (3, 1, ACT_STAGE_BYTES) };
-    let quads = down && matches!(LAYOUT, Int4Layout::Native);
+    let native = matches!(LAYOUT, Int4Layout::Native);
+    // The native narrow gate/up GEMM keeps 2 chunks in flight, the others 3 (kernels/moe_int4.cu GateUp).
+    let narrow_stages = if native && !down { 2 } else { 3 };
+    let (stages, n_tiles, act_stage) = if wide { (2, 2, 0) } else { (narrow_stages, 1, ACT_STAGE_BYTES) };
+    let quads = down && native;
     let (stage, scales) = if quads { (NATIVE_ROWS_BYTES, NATIVE_SCALE_QUADS_BYTES) } else { (STAGE_TILE_BYTES, 0) };
     let warps = gemm_warps(wide, ksplit);
     let partials = if ksplit > 1 { warps * 2 * n_tiles * 128 * 4 } else { 0 };
@@ -86,6 +89,20 @@ const ACT_SLOT_BYTES: usize = ACT_STAGE_BYTES / NARROW_TOKENS;
 /// ActStageT), and its scale quads. Must match BlockShape in the kernel.
 pub(crate) const fn direct_down_shared_bytes() -> usize {
     DIRECT_DOWN_STAGES * (2 * NATIVE_ROWS_BYTES + 2 * ACT_SLOT_BYTES) + 2 * NATIVE_SCALE_QUADS_BYTES
+}
+
+/// Dynamic shared memory of the gate/up GEMM of one token: the narrow kernel's for the tiled layout; for the
+/// native one (kernels/moe_int4.cu DirectGateUp) each of the 4 warps' 2 two-chunk stages of 2 m16 tiles
+/// (NativePairStage, twice a one-chunk stage), its 4 one-slot activation stages and as many zeros, and the
+/// partial sums. Must match BlockShape in the kernel.
+pub(crate) const fn direct_gate_up_shared_bytes() -> usize {
+    match LAYOUT {
+        Int4Layout::Tiled => gemm_shared_bytes_of(false, false),
+        Int4Layout::Native => {
+            let (stages, chunks) = (2, 4);
+            GATE_UP_KSPLIT * (stages * 2 * (2 * STAGE_TILE_BYTES) + chunks * 2 * ACT_SLOT_BYTES + 2 * 128 * 4)
+        }
+    }
 }
 
 /// Launch geometry of a GEMM over `rows` weight rows: grid rows, threads and shared memory.
@@ -508,7 +525,10 @@ impl MoePlan {
         let direct = self.direct();
         let (name, f) = if direct { gpu.kernels.moe_gate_up_direct() } else { gpu.kernels.moe_gate_up(wide) };
         let (h, i, k) = (self.shape.hidden as i32, self.shape.inter as i32, self.k as i32);
-        let (grid_rows, threads, shared) = gemm_geometry(self.shape.inter, GATE_UP_GROUP_ROWS, false, wide);
+        let (grid_rows, threads, mut shared) = gemm_geometry(self.shape.inter, GATE_UP_GROUP_ROWS, false, wide);
+        if direct {
+            shared = direct_gate_up_shared_bytes() as u32;
+        }
         let cfg =
             LaunchConfig { grid_dim: (grid_rows, blocks, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
         let mut a = KernelArgs::new(gpu);
