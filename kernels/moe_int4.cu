@@ -1153,7 +1153,9 @@ constexpr int DIRECT_DOWN_STAGES = 4;
 // chunks (warp_gemm): the narrow one 2 (38 KB a block). On the H200 (session 28, against 3 chunks in the
 // chunk order) that made the native forward 1.0-1.8% faster at T 4-16; 3 chunks in pair order, whose
 // loop then unrolls by 6 (1278 sm_90 instructions, against 645 by 3), were 1.0-1.9% slower, and 2
-// two-chunk stages (72 KB, three blocks an SM) within 0.7% of the chunk order.
+// two-chunk stages (72 KB, three blocks an SM) within 0.7% of the chunk order. A narrow block whose
+// expert has one token runs the one-token kernel's stages instead (DirectGateUp, 48 KB, so the narrow
+// native launch asks for 48 KB and still fits four blocks an SM): 0-0.9% faster at T 4-16.
 template <class Layout, int NT>
 struct GateUp {
     typedef Layout View;
@@ -1223,10 +1225,20 @@ __device__ __forceinline__ void gate_up_kernel(const __nv_bfloat16* x, const uin
     if (!aligned_expert(slices, num_active, ex) || (ex.count > 8) != (NT > 1)) return;
     // Most experts of a few-token routing have one token (at T 16, 90 of about 109 on Kimi-K2's 384).
     const bool one = NT == 1 && ex.count == 1;
+    // An expert with one token takes the one-token kernel's stages (DirectGateUp; the launch gives the
+    // block the larger shared memory of the two), the others the narrow ring; the same chunks in the same
+    // order, so the same bits either way.
     typedef GateUp<Layout, NT> G;
-    with_paths<NT == 1, G::View::STAGE_CHUNKS>(one, H, [&](auto one_path, auto whole) {
-        gate_up<typename G::View, NT, GATE_UP_KSPLIT, G::STAGES, decltype(one_path)::value, decltype(whole)::value>(
-            x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
+    typedef DirectGateUp<Layout> D;
+    constexpr int WHOLE_CHUNKS = NT == 1 && D::View::STAGE_CHUNKS > G::View::STAGE_CHUNKS ? D::View::STAGE_CHUNKS
+                                                                                        : G::View::STAGE_CHUNKS;
+    with_paths<NT == 1, WHOLE_CHUNKS>(one, H, [&](auto one_path, auto whole) {
+        if constexpr (decltype(one_path)::value)
+            gate_up<typename D::View, 1, GATE_UP_KSPLIT, D::STAGES, true, decltype(whole)::value, D::SLOTS>(
+                x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
+        else
+            gate_up<typename G::View, NT, GATE_UP_KSPLIT, G::STAGES, false, decltype(whole)::value>(
+                x, w13, w13_scale, H, I, k, pairs, ex, h, handoff);
     });
 }
 

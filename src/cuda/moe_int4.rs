@@ -75,7 +75,14 @@ pub(crate) const fn gemm_shared_bytes_of(down: bool, wide: bool) -> usize {
     let (stage, scales) = if quads { (NATIVE_ROWS_BYTES, NATIVE_SCALE_QUADS_BYTES) } else { (STAGE_TILE_BYTES, 0) };
     let warps = gemm_warps(wide, ksplit);
     let partials = if ksplit > 1 { warps * 2 * n_tiles * 128 * 4 } else { 0 };
-    warps * (stages * (2 * stage + act_stage) + 2 * scales) + partials
+    let ring = warps * (stages * (2 * stage + act_stage) + 2 * scales) + partials;
+    // The native narrow gate/up GEMM serves its one-token experts with the one-token kernel's stages
+    // (kernels/moe_int4.cu gate_up_kernel).
+    if native && !down && !wide && ring < NATIVE_ONE_TOKEN_GATE_UP_BYTES {
+        NATIVE_ONE_TOKEN_GATE_UP_BYTES
+    } else {
+        ring
+    }
 }
 
 /// Chunks in flight per warp in the native down GEMM of one token (kernels/moe_int4.cu
@@ -91,17 +98,20 @@ pub(crate) const fn direct_down_shared_bytes() -> usize {
     DIRECT_DOWN_STAGES * (2 * NATIVE_ROWS_BYTES + 2 * ACT_SLOT_BYTES) + 2 * NATIVE_SCALE_QUADS_BYTES
 }
 
-/// Dynamic shared memory of the gate/up GEMM of one token: the narrow kernel's for the tiled layout; for the
-/// native one (kernels/moe_int4.cu DirectGateUp) each of the 4 warps' 2 two-chunk stages of 2 m16 tiles
-/// (NativePairStage, twice a one-chunk stage), its 4 one-slot activation stages and as many zeros, and the
-/// partial sums. Must match BlockShape in the kernel.
+/// Dynamic shared memory of the native one-token gate/up stages (kernels/moe_int4.cu DirectGateUp): each of
+/// the 4 warps' 2 two-chunk stages of 2 m16 tiles (NativePairStage, twice a one-chunk stage), its 4
+/// one-slot activation stages and as many zeros, and the partial sums. Must match BlockShape in the kernel.
+const NATIVE_ONE_TOKEN_GATE_UP_BYTES: usize = {
+    let (stages, chunks) = (2, 4);
+    GATE_UP_KSPLIT * (stages * 2 * (2 * STAGE_TILE_BYTES) + chunks * 2 * ACT_SLOT_BYTES + 2 * 128 * 4)
+};
+
+/// Dynamic shared memory of the gate/up GEMM of one token: the narrow kernel's for the tiled layout,
+/// [`NATIVE_ONE_TOKEN_GATE_UP_BYTES`] for the native one.
 pub(crate) const fn direct_gate_up_shared_bytes() -> usize {
     match LAYOUT {
         Int4Layout::Tiled => gemm_shared_bytes_of(false, false),
-        Int4Layout::Native => {
-            let (stages, chunks) = (2, 4);
-            GATE_UP_KSPLIT * (stages * 2 * (2 * STAGE_TILE_BYTES) + chunks * 2 * ACT_SLOT_BYTES + 2 * 128 * 4)
-        }
+        Int4Layout::Native => NATIVE_ONE_TOKEN_GATE_UP_BYTES,
     }
 }
 
