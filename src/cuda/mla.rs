@@ -5,7 +5,7 @@
 //! [`SPLIT`] rows) for a maximum shape; its `run_*` methods only queue kernels, with grids sized from the
 //! run's `max_seq_len`. Decode is two launches (chunks, combine); tree verify three (the chunks inside
 //! the prefix for all N×H rows of a request, the per-row tail chunks, combine). Large launches fold
-//! groups of `FOLD` (4) chunks inside a CTA and write one partial per group (same bits; see [`folds`]).
+//! groups of `FOLD` (4) chunks inside a CTA and write one partial per group (same bits; see `folds`).
 //! No memset either: the first chunk launch clears the status word, and the combine moves the chunk
 //! launches' bits into it.
 

@@ -65,7 +65,7 @@ impl Model {
         Self::load_on(dir, Box::new(CpuOps))
     }
 
-    /// Loads a checkpoint directory for the backend `ops` (e.g. [`crate::model::ops::CudaOps`] with the
+    /// Loads a checkpoint directory for the backend `ops` (e.g. `CudaOps` of [`crate::model::ops`] with the
     /// `cuda` feature).
     pub fn load_on(dir: impl AsRef<Path>, ops: Box<dyn Ops + Send>) -> Result<Self> {
         let dir = dir.as_ref();
