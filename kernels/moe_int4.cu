@@ -366,7 +366,6 @@ struct ScaleQuads {
 // tests but moved the forward by under 1.1% either way at T 1-64 and made the one-token down kernel 8%
 // slower alone: the loop grew from 689 to 741 instructions per round of 3 chunks; session 25, H200.)
 //
-//
 // PAIR_ORDER: K slices take pairs of neighbouring chunks (with KSPLIT slices, slice s takes chunks 2s,
 // 2s + 1, 2s + 2 KSPLIT, 2s + 2 KSPLIT + 1, ...), so that one warp reads both halves of a row's 128-byte
 // line; with one K slice (QUADS) that is the plain chunk order. A warp's chunk sequence then steps by 1
@@ -1378,15 +1377,17 @@ static_assert(GROUP % (16 * BlockShape<TiledLayout, 2, 2, GATE_UP_KSPLIT, WIDE_S
                   GROUP % (16 * BlockShape<NativeLayout, 2, 2, GATE_UP_KSPLIT, WIDE_STAGES>::RGROUPS) == 0,
               "a wide gate/up block's rows divide I");
 static_assert(sizeof(NativeStage) == 1152 && sizeof(NativeRows) == 1024 && sizeof(ScaleQuads) == 1024 &&
-                  sizeof(NativePairRows) == 2 * sizeof(NativeRows) && sizeof(NativePairStage) == 2 * sizeof(NativeStage),
+                  sizeof(NativePairRows) == 2 * sizeof(NativeRows) &&
+                  sizeof(NativePairStage) == 2 * sizeof(NativeStage),
               "src/cuda/moe_int4.rs sizes the native stages and scale quads");
 static_assert(sizeof(StageTile) == 1152, "StageTile is the tiled layout's chunk image");
-static_assert(BlockShape<GateUp<NativeLayout, 1>::View, 2, 1, GATE_UP_KSPLIT, GateUp<NativeLayout, 1>::STAGES>::SHARED_BYTES ==
-                  38912,
-              "mirrored by gemm_shared_bytes_of in src/cuda/moe_int4.rs");
+static_assert(BlockShape<GateUp<NativeLayout, 1>::View, 2, 1, GATE_UP_KSPLIT,
+                         GateUp<NativeLayout, 1>::STAGES>::SHARED_BYTES == 38912,
+              "mirrored by gemm_shared_bytes_of in src/cuda/moe_int4.rs (which gives the launch the larger "
+              "one-token stages below)");
 static_assert(BlockShape<DirectGateUp<NativeLayout>::View, 2, 1, GATE_UP_KSPLIT, DirectGateUp<NativeLayout>::STAGES,
                          DirectGateUp<NativeLayout>::SLOTS>::SHARED_BYTES == 49152,
-              "mirrored by direct_gate_up_shared_bytes in src/cuda/moe_int4.rs");
+              "mirrored by NATIVE_ONE_TOKEN_GATE_UP_BYTES in src/cuda/moe_int4.rs");
 static_assert(sizeof(ActStage) == 2048, "src/cuda/moe_int4.rs sizes the activation stages");
 
 // out[t, c] = Σ_slot weight[t, slot] · y[t * k + slot, c], in slot order, multiply and add rounded
