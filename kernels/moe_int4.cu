@@ -1135,9 +1135,9 @@ __device__ void down(const __nv_bfloat16* __restrict__ h, const uint32_t* __rest
 // invariance needs; at one token one wave of 2-warp blocks instead of 1.94 of 4-warp ones) made the
 // native forward 2-12% slower at T 1-64, the tiled one 2.3% slower at T 1 and 2.6-3.0% faster at
 // T 16-64 (session 25, H200). The narrow kernels stage 3 chunks of weights and activations per warp (the
-// native gate/up GEMM 2, see GateUp): four 4-warp gate/up blocks (55 KB) or 15-16 one-warp down blocks
-// (13 KB, the native ones 14 KB with their scale quads) fit an SM's 228 KB, as many as the 128 registers
-// of their threads allow.
+// native gate/up GEMM 2, see GateUp): four 4-warp gate/up blocks (55 KB; the native launch 48 KB) or 15-16
+// one-warp down blocks (13 KB, the native ones 14 KB with their scale quads) fit an SM's 228 KB, as many
+// as the 128 registers of their threads allow.
 constexpr int GATE_UP_KSPLIT = 4;
 constexpr int DOWN_KSPLIT = 1;
 constexpr int NARROW_STAGES = 3;
