@@ -1147,7 +1147,7 @@ constexpr int WIDE_STAGES = 2;
 // SM (see down_direct_kernel); it counts chunks, staged two at a time (DirectDownView).
 constexpr int DIRECT_DOWN_STAGES = 4;
 
-// The gate/up GEMMs of a layout, narrow (NT 1) or wide: their view, stages and blocks per SM. The native
+// The gate/up GEMMs of a layout, narrow (NT 1) or wide: their view and stages. The native
 // layout's K slices take pairs of chunks (NativeLayoutT PAIR_ORDER), and its rings hold an even number of
 // chunks (warp_gemm): the narrow one 2 (38 KB a block). On the H200 (session 28, against 3 chunks in the
 // chunk order) that made the native forward 1.0-1.8% faster at T 4-16; 3 chunks in pair order, whose
@@ -1159,13 +1159,11 @@ template <class Layout, int NT>
 struct GateUp {
     typedef Layout View;
     static constexpr int STAGES = NT == 1 ? NARROW_STAGES : WIDE_STAGES;
-    static constexpr int MIN_BLOCKS = gemm_min_blocks(NT, GATE_UP_KSPLIT);
 };
 template <int NT>
 struct GateUp<NativeLayout, NT> {
     typedef NativeLayoutT<false, false, true> View;
     static constexpr int STAGES = NT == 1 ? 2 : WIDE_STAGES;
-    static constexpr int MIN_BLOCKS = NT == 1 ? 4 : 1;
 };
 
 // The gate/up GEMM of one token: the tiled layout runs the narrow kernel's ring; the native one stages
@@ -1305,7 +1303,7 @@ __device__ __forceinline__ void down_direct_kernel(const __nv_bfloat16* h, const
 
 #define KDT_MOE_GEMMS(LAYOUT, NT, STAGES, SUFFIX)                                                          \
     extern "C" __global__ void __launch_bounds__(gemm_warps(NT, GATE_UP_KSPLIT) * 32,                         \
-                                                 GateUp<LAYOUT, NT>::MIN_BLOCKS)                              \
+                                                 gemm_min_blocks(NT, GATE_UP_KSPLIT))                         \
         moe_gate_up_##SUFFIX(const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ w13,           \
                              const __nv_bfloat16* __restrict__ w13_scale, int H, int I, int k,                \
                              const int4* __restrict__ slices, const int* __restrict__ num_active,             \

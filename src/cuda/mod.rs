@@ -138,11 +138,7 @@ impl Kernels {
             moe_route: f("moe_route")?,
             moe_align: f("moe_align")?,
             moe_gate_up: Self::int4_pair(module, INT4_NAMES.gate_up, false)?,
-            moe_gate_up_direct: Self::int4_kernel(
-                module,
-                INT4_NAMES.gate_up_direct,
-                moe_int4::direct_gate_up_shared_bytes(),
-            )?,
+            moe_gate_up_direct: Self::int4_gemm(module, INT4_NAMES.gate_up_direct, false, false)?,
             moe_down: Self::int4_pair(module, INT4_NAMES.down, true)?,
             moe_down_direct: INT4_NAMES
                 .down_direct

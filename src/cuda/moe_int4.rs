@@ -106,15 +106,6 @@ const NATIVE_ONE_TOKEN_GATE_UP_BYTES: usize = {
     GATE_UP_KSPLIT * (stages * 2 * (2 * STAGE_TILE_BYTES) + chunks * 2 * ACT_SLOT_BYTES + 2 * 128 * 4)
 };
 
-/// Dynamic shared memory of the gate/up GEMM of one token: the narrow kernel's for the tiled layout,
-/// [`NATIVE_ONE_TOKEN_GATE_UP_BYTES`] for the native one.
-pub(crate) const fn direct_gate_up_shared_bytes() -> usize {
-    match LAYOUT {
-        Int4Layout::Tiled => gemm_shared_bytes_of(false, false),
-        Int4Layout::Native => NATIVE_ONE_TOKEN_GATE_UP_BYTES,
-    }
-}
-
 /// Launch geometry of a GEMM over `rows` weight rows: grid rows, threads and shared memory.
 fn gemm_geometry(rows: usize, group_rows: usize, down: bool, wide: bool) -> (u32, u32, u32) {
     let ksplit = if down { DOWN_KSPLIT } else { GATE_UP_KSPLIT };
@@ -535,10 +526,9 @@ impl MoePlan {
         let direct = self.direct();
         let (name, f) = if direct { gpu.kernels.moe_gate_up_direct() } else { gpu.kernels.moe_gate_up(wide) };
         let (h, i, k) = (self.shape.hidden as i32, self.shape.inter as i32, self.k as i32);
-        let (grid_rows, threads, mut shared) = gemm_geometry(self.shape.inter, GATE_UP_GROUP_ROWS, false, wide);
-        if direct {
-            shared = direct_gate_up_shared_bytes() as u32;
-        }
+        // The one-token kernel has the narrow kernel's geometry, its shared memory too (the native narrow
+        // kernel's is that of its one-token path).
+        let (grid_rows, threads, shared) = gemm_geometry(self.shape.inter, GATE_UP_GROUP_ROWS, false, wide);
         let cfg =
             LaunchConfig { grid_dim: (grid_rows, blocks, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
         let mut a = KernelArgs::new(gpu);
