@@ -6,11 +6,12 @@
 // fold: each group's chunk results (max, sum, unnormalized output) folded in chunk order from the
 // initial state (fold_ml / fold_o), then the group states weighted by 2^(group max - row max) and summed
 // in group order (FMA chains), then normalized.
-//   mla_chunk computes chunks for a tile of BM query rows that share the chunk's key list, and either
-//   writes each chunk's result to its scratch slot or (`fold`) computes a whole group's chunks in
-//   order and writes only the group state, folded with the same fold_ml / fold_o, to the group's
-//   first slot. Its three modes differ only in which rows and chunks a CTA takes:
-//   decode: the H heads of one request, any chunk (or fold group) of its sequence;
+//   mla_chunk computes chunks for a tile of BM query rows that share the chunk's key list: a CTA takes a
+//   run of consecutive chunks (one, a pair, or a fold group), streamed through shared memory without a
+//   break at the chunk borders, and either writes each chunk's result to its scratch slot or (`fold`)
+//   writes only the group state, folded with the same fold_ml / fold_o, to the group's first slot.
+//   Its three modes differ only in which rows and chunks a CTA takes:
+//   decode: the H heads of one request, any run of chunks of its sequence;
 //   prefix: all N*H rows of a tree request, the chunks lying wholly inside the prefix (read once per
 //           request: the request's m-tiles are the fastest grid dimension, so they run side by side and
 //           share the chunk through L2);
@@ -124,12 +125,13 @@ struct Smem {
     float alpha[BM];                          // per row: rescale of the running output
     float fold_a[BM];                         // per row: fold factors of the group state ...
     float fold_b[BM];                         // ... and of the chunk just computed
-    long long key_off[SPLIT];                 // element offset of each key row of the chunk in the cache
+    long long key_off[2][SPLIT];              // element offset of each key row in the cache: the chunk being
+                                              // computed and the CTA's next one (see NextChunk)
 };
 
 // 99 KB is the most a block may take on sm_120; on sm_90 two blocks fit an SM.
 static_assert(sizeof(Smem) <= 99 * 1024, "shared memory budget");
-static_assert(sizeof(Smem) == 86720, "mirrored by CHUNK_SHARED_BYTES in src/cuda/mla.rs");
+static_assert(sizeof(Smem) == 88768, "mirrored by CHUNK_SHARED_BYTES in src/cuda/mla.rs");
 
 // What one CTA computes: query rows [row0, row1) over chunk `chunk` of a sequence of `len` rows whose
 // first `prefix` are slots 0..prefix and whose rest are the tree rows set in `vis` (nullptr: none).
@@ -190,11 +192,12 @@ __device__ __forceinline__ long long slot_offset(const Pages& pg, int slot, int*
     return ((long long)page * pg.page_size + slot % pg.page_size) * ROW;
 }
 
-// Fills key_off with the chunk's keys in sequence order: prefix slots, then the visible tree rows.
-__device__ void build_key_list(Smem& s, const Task& t, const Pages& pg, int n_rows, int nkeys, int* status) {
+// Fills `key_off` with the chunk's keys in sequence order: prefix slots, then the visible tree rows.
+__device__ void build_key_list(long long* key_off, const Task& t, const Pages& pg, int n_rows, int nkeys,
+                               int* status) {
     const int begin = t.chunk * SPLIT;
     for (int i = threadIdx.x; i < min(t.prefix - begin, nkeys); i += THREADS)
-        s.key_off[i] = slot_offset(pg, begin + i, status);
+        key_off[i] = slot_offset(pg, begin + i, status);
     if (t.vis == nullptr) return;
     for (int j = threadIdx.x; j < n_rows; j += THREADS) {
         const uint32_t word = t.vis[j >> 5];
@@ -202,7 +205,7 @@ __device__ void build_key_list(Smem& s, const Task& t, const Pages& pg, int n_ro
         int rank = __popc(word & ((1u << (j & 31)) - 1u));
         for (int w = 0; w < (j >> 5); ++w) rank += __popc(t.vis[w]);
         const int pos = t.prefix + rank - begin;
-        if (pos >= 0 && pos < nkeys) s.key_off[pos] = slot_offset(pg, t.prefix + j, status);
+        if (pos >= 0 && pos < nkeys) key_off[pos] = slot_offset(pg, t.prefix + j, status);
     }
 }
 
@@ -215,20 +218,19 @@ __device__ void build_key_list(Smem& s, const Task& t, const Pages& pg, int n_ro
 // one swizzled base per lane and add plain offsets.
 __device__ __forceinline__ int swizzle(int piece, int row) { return piece ^ (row & 7); }
 
-// Queues the cache rows of sub-tile `sub` into `stage` (nothing unless `active`); keys past the chunk
-// are zero-filled so that their (zero) probabilities never meet stale or uninitialized values.
+// Queues the cache rows of sub-tile `sub` of the chunk whose key list is `key_off` into `stage`; keys
+// past the chunk are zero-filled so that their (zero) probabilities never meet stale or uninitialized values.
 // The copies ask L2 to evict their lines first: the cache streams past once per launch, and without
 // the hint it pushes out the partials that the combine reads back and that the next launch rewrites,
 // which then go back to DRAM (on the H200: H 8 / H 16 decodes 4-11% faster, tree_verify within 1%).
-__device__ __forceinline__ void load_subtile(Smem& s, const __nv_bfloat16* cache, int sub, int nkeys, int stage,
-                                             bool active) {
-    if (!active) return;
+__device__ __forceinline__ void load_subtile(Smem& s, const long long* key_off, const __nv_bfloat16* cache, int sub,
+                                             int nkeys, int stage) {
     // LOAD_THREADS threads per key row: one key-offset lookup per thread, then consecutive pieces.
     constexpr int LOAD_THREADS = THREADS / BK;
     const int k = threadIdx.x / LOAD_THREADS, first = threadIdx.x % LOAD_THREADS;
     const int key = sub * BK + k;
     const bool valid = key < nkeys;
-    const __nv_bfloat16* src = cache + (valid ? s.key_off[key] : 0) + 8 * first;
+    const __nv_bfloat16* src = cache + (valid ? key_off[key] : 0) + 8 * first;
     __nv_bfloat16* dst = &s.kv[stage][k][8 * swizzle(first, k)];
     const u64 policy = l2_evict_first();
     static_assert(PIECES % LOAD_THREADS == 0 && LOAD_THREADS == 8, "one 128-byte line of a row per step");
@@ -496,45 +498,57 @@ __device__ __forceinline__ void fold_partial(Smem& s, const Task& t, const float
     }
 }
 
-// Starts chunk t.chunk for a tile of query rows sharing its key list: builds the key list and queues
-// the first STAGES - 1 sub-tiles (one cp.async group each, sub-tile j in stage j), the query rows in
-// the first group (stage_q). Returns the chunk's key count. The barrier after the key list also waits
-// until every thread is done with the previous chunk's stages (each thread's last read of key_off
-// precedes its last run_chunk barrier), so this may run as soon as run_chunk returns, ahead of
-// fold_partial, and the chunk's first loads fly meanwhile.
+// Starts the first chunk (t.chunk) of a CTA's run for a tile of query rows sharing its key list: builds
+// the key list in buffer 0 and queues the first STAGES - 1 sub-tiles (one cp.async group each, sub-tile
+// j in stage j), the query rows in the first group (stage_q). Returns the chunk's key count. The CTA's
+// later chunks are begun by run_chunk (see NextChunk).
 __device__ int begin_chunk(Smem& s, const Task& t, const Pages& pg, int n_rows, const __nv_bfloat16* q,
                            const __nv_bfloat16* cache, int* status) {
     const int nkeys = min(SPLIT, t.len - t.chunk * SPLIT);
-    build_key_list(s, t, pg, n_rows, nkeys, status);
+    build_key_list(s.key_off[0], t, pg, n_rows, nkeys, status);
     __syncthreads();  // key_off is complete
     const int nsub = (nkeys + BK - 1) / BK;
     stage_q(s, q, t);
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-        load_subtile(s, cache, st, nkeys, st, st < nsub);
+        if (st < nsub) load_subtile(s, s.key_off[0], cache, st, nkeys, st);
         cp_async_commit();
     }
     return nkeys;
 }
 
-// The one routine that computes a chunk (begun by begin_chunk) for a tile of query rows: leaves the
-// unnormalized output in o and the rows' (max, sum) in row (the sum replicated). Three barriers per
-// sub-tile of BK keys: the sub-tile has landed (and the previous one's stage is released), the S
-// partials are complete, P is complete. Sub-tile `sub` lives in stage sub % STAGES; the stage refilled
-// at iteration sub is that of sub - 1, which every warp has finished reading at the first barrier.
-// The Q fragments are loaded here for every chunk (staged again by begin_chunk), so that they hold no
-// registers across the chunk kernel's fold. HALF (a tile of at most 8 valid rows, as in every 8-head
-// decode): the work on rows 8..15 that only they use is left out; rows 0..7 get the same operations.
+// The chunk a CTA computes after the current one, in decode and prefix modes: the next chunk of the same
+// tile's sequence, whose key list the caller has built in the other buffer before the current chunk's
+// run_chunk. run_chunk queues its first sub-tile behind the current chunk's last one, so that the stream
+// runs on across the chunk border instead of draining and starting again (the current chunk is a whole
+// SPLIT, an even number of sub-tiles, so the next one starts in stage 0 as begin_chunk's would).
+struct NextChunk {
+    bool valid;
+    int nkeys;
+};
+static_assert(SPLIT / BK % STAGES == 0, "NextChunk: a whole chunk ends where the ring starts again");
+
+// The one routine that computes a chunk (begun by begin_chunk or by the run_chunk before it) for a tile of
+// query rows: leaves the unnormalized output in o and the rows' (max, sum) in row (the sum replicated).
+// Three barriers per sub-tile of BK keys: the sub-tile has landed (and the previous one's stage is
+// released), the S partials are complete, P is complete. Sub-tile `sub` lives in stage sub % STAGES; the
+// stage refilled at iteration sub is that of sub - 1, which every warp has finished reading at the first
+// barrier. `buf`: the chunk's key list; `first`: the CTA's first chunk, whose query rows begin_chunk
+// staged: their fragments are loaded into qa here and kept for the CTA's later chunks (same rows).
+// HALF (a tile of at most 8 valid rows, as in every 8-head decode): the work on rows 8..15 that only
+// they use is left out; rows 0..7 get the same operations.
 template <bool HALF>
-__device__ void run_chunk(Smem& s, int nkeys, const __nv_bfloat16* cache, float scale_log2, float (&o)[MT][PV_NT][4],
-                          RowState& row) {
+__device__ void run_chunk(Smem& s, int buf, int nkeys, const NextChunk& next_chunk, bool first,
+                          const __nv_bfloat16* cache, float scale_log2, uint32_t (&qa)[QUARTER_STEPS][4],
+                          float (&o)[MT][PV_NT][4], RowState& row) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // S: warp = (quarter, m-tile, n-group); the Q fragments of its quarter and m-tile stay in registers.
     const int quarter = warp / (WARPS / 4), mtile = warp / (NT / S_NT) % MT, n0 = warp % (NT / S_NT) * S_NT;
-    cp_async_wait<0>();  // the query rows (and sub-tile 0) have landed for this thread ...
-    __syncthreads();     // ... and for every thread
-    uint32_t qa[QUARTER_STEPS][4];
-    load_q(qa, s, quarter, mtile, lane);
+    if (first) {
+        cp_async_wait<0>();  // the query rows (and sub-tile 0) have landed for this thread ...
+        __syncthreads();     // ... and for every thread
+        load_q(qa, s, quarter, mtile, lane);
+    }
     const int nsub = (nkeys + BK - 1) / BK;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -548,8 +562,12 @@ __device__ void run_chunk(Smem& s, int nkeys, const __nv_bfloat16* cache, float 
         // refilled and s_part / P / alpha rewritten.
         __syncthreads();
         // Queued first: with two stages the next sub-tile has only this iteration to land.
-        const int next = sub + STAGES - 1;  // goes to stage (sub - 1) % STAGES
-        load_subtile(s, cache, next, nkeys, stage == 0 ? STAGES - 1 : stage - 1, next < nsub);
+        // (One call for both cases, so that the copies' addressing is compiled once.)
+        const int next = sub + STAGES - 1, refill = stage == 0 ? STAGES - 1 : stage - 1;
+        const bool same_chunk = next < nsub;
+        if (same_chunk || (next == nsub && next_chunk.valid))
+            load_subtile(s, s.key_off[same_chunk ? buf : buf ^ 1], cache, same_chunk ? next : 0,
+                         same_chunk ? nkeys : next_chunk.nkeys, refill);
         cp_async_commit();
         float acc[S_NT][2][4];
         scores(s, stage, qa, quarter, n0, lane, acc);
@@ -561,7 +579,7 @@ __device__ void run_chunk(Smem& s, int nkeys, const __nv_bfloat16* cache, float 
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
     row.l = row_sum(row.l);
-    cp_async_wait<0>();  // only empty groups remain; leave none in flight at exit
+    if (!next_chunk.valid) cp_async_wait<0>();  // only empty groups remain; leave none in flight at exit
 }
 
 // mla_combine's shared memory, fold list and windows (described above the kernel).
@@ -628,8 +646,10 @@ using namespace kdt::mla;
 // decode: y = request, z = chunk; prefix: y = request, z = chunk (only chunks wholly inside the prefix);
 // tail: y = request * N + tree row, z = chunk - seq_len / SPLIT (two slots: the chunks holding tree rows
 // start at seq_len / SPLIT and span at most two, as (SPLIT - 1 + N) <= 2 * SPLIT for N <= 257).
-// `fold` (decode and prefix modes only; tail ignores it): z is a fold group instead of a chunk; the CTA
-// computes the group's chunks in order and folds them into one state in the group's first slot.
+// `run` (decode and prefix modes only; tail takes one chunk a CTA): z is a run of that many consecutive
+// chunks instead of a chunk, which the CTA computes in order with one stream of sub-tiles across them
+// (see NextChunk); each chunk's result goes to its own slot, as from a run of one, unless `fold` (then
+// `run` is FOLD and z a fold group): the CTA folds its chunks into one state in the group's first slot.
 // `visibility` is unused (may be null) in decode mode, where n_rows is 1. `status` is two words: CTA
 // (0, 0, 0) clears status[0], the run's word, and the launch ORs its bits into status[1] (see mla_combine).
 // mla_chunk_half is the same kernel but gives tiles of at most 8 valid rows run_chunk<true>; the launcher
@@ -639,7 +659,7 @@ using namespace kdt::mla;
 template <bool MAY_HALVE>
 __device__ __forceinline__ void chunk_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache,
                                              const int* __restrict__ block_table, const int* __restrict__ seq_len,
-                                             const uint32_t* __restrict__ visibility, int mode, int fold,
+                                             const uint32_t* __restrict__ visibility, int mode, int run, int fold,
                                              int num_pages, int page_size, int pages_per_req, int n_rows, int words,
                                              int heads, int max_chunks, float scale, float* __restrict__ part_o,
                                              float* __restrict__ part_ml, int* __restrict__ status) {
@@ -652,20 +672,20 @@ __device__ __forceinline__ void chunk_kernel(const __nv_bfloat16* __restrict__ q
     const int request = mode == MODE_TAIL ? blockIdx.y / n_rows : blockIdx.y;
     const int prefix = max(seq_len[request], 0);
     const bool folding = fold != 0 && mode != MODE_TAIL;
+    const int per_cta = mode == MODE_TAIL ? 1 : run;
     Task t;
     t.prefix = prefix;
     t.vis = nullptr;
     int group_rows = heads;
-    const int first = folding ? (int)blockIdx.z * FOLD : (int)blockIdx.z;
     if (mode == MODE_DECODE) {
         t.row0 = request * heads;
         t.len = prefix;
-        t.chunk = first;
+        t.chunk = (int)blockIdx.z * per_cta;
     } else if (mode == MODE_PREFIX) {
         group_rows = n_rows * heads;
         t.row0 = request * group_rows;
         t.len = prefix / SPLIT * SPLIT;  // the full chunks only
-        t.chunk = first;
+        t.chunk = (int)blockIdx.z * per_cta;
     } else {
         t.vis = visibility + (long long)blockIdx.y * words;
         t.row0 = blockIdx.y * heads;
@@ -683,36 +703,39 @@ __device__ __forceinline__ void chunk_kernel(const __nv_bfloat16* __restrict__ q
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float scale_log2 = __fmul_rn(scale, LOG2E);
     int nkeys = begin_chunk(s, t, pg, n_rows, q, cache, status);
+    uint32_t qa[QUARTER_STEPS][4];
     float o[MT][PV_NT][4];
     RowState row;
     // run_chunk<MAY_HALVE> rather than run_chunk<true>: where `half` holds MAY_HALVE is true, and mla_chunk
     // then never instantiates the halved path, so its code stays the full-tile one alone.
     const bool half = MAY_HALVE && t.row1 - t.row0 <= 8;
-    auto chunk = [&] {
-        if (half)
-            run_chunk<MAY_HALVE>(s, nkeys, cache, scale_log2, o, row);
-        else
-            run_chunk<false>(s, nkeys, cache, scale_log2, o, row);
-    };
-    if (!folding) {
-        chunk();
-        store_partial(t, o, row, warp, lane, max_chunks, part_o, part_ml);
-        return;
-    }
-    // The group's chunks in order, each folded into the group state exactly as mla_combine would fold
-    // their partials (fold_ml / fold_o from the initial state, in chunk order). The next chunk is begun
-    // before the fold, so that its first sub-tiles load while the group state is read back and written.
-    const int chunks = (t.len + SPLIT - 1) / SPLIT;
-    const int last = min(min(first + FOLD, chunks), max_chunks);
+    // The run's chunks in order; folded, each into the group state exactly as mla_combine would fold their
+    // partials (fold_ml / fold_o from the initial state, in chunk order). The next chunk's first sub-tile
+    // is already loading while a chunk's result is stored or folded.
+    const int first = t.chunk, chunks = (t.len + SPLIT - 1) / SPLIT;
+    const int last = min(min(first + per_cta, chunks), max_chunks);
     RowState group{-INFINITY, 0.f};
     for (int c = first; c < last; ++c) {
-        chunk();
-        if (c + 1 < last) {
+        const int buf = (c - first) & 1;
+        const NextChunk next{c + 1 < last, min(SPLIT, t.len - (c + 1) * SPLIT)};
+        if (next.valid) {
+            // Its buffer was last read before the previous chunk's last barrier (or never); it is next
+            // read by this chunk's last refill, several barriers on.
             t.chunk = c + 1;
-            nkeys = begin_chunk(s, t, pg, n_rows, q, cache, status);
+            build_key_list(s.key_off[buf ^ 1], t, pg, n_rows, next.nkeys, status);
         }
-        fold_partial(s, t, o, row, group, c == first, first, warp, lane, max_chunks, part_o);
+        if (half)
+            run_chunk<MAY_HALVE>(s, buf, nkeys, next, c == first, cache, scale_log2, qa, o, row);
+        else
+            run_chunk<false>(s, buf, nkeys, next, c == first, cache, scale_log2, qa, o, row);
+        t.chunk = c;
+        if (folding)
+            fold_partial(s, t, o, row, group, c == first, first, warp, lane, max_chunks, part_o);
+        else
+            store_partial(t, o, row, warp, lane, max_chunks, part_o, part_ml);
+        nkeys = next.nkeys;
     }
+    if (!folding) return;
     const int r = t.row0 + threadIdx.x / ROW_THREADS;
     if (threadIdx.x % ROW_THREADS == 0 && r < t.row1) {
         float* ml = part_ml + ((long long)r * max_chunks + first) * 2;
@@ -725,11 +748,12 @@ __device__ __forceinline__ void chunk_kernel(const __nv_bfloat16* __restrict__ q
     extern "C" __global__ void __launch_bounds__(THREADS, 2 / MT)                                               \
         NAME(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache,                       \
              const int* __restrict__ block_table, const int* __restrict__ seq_len,                               \
-             const uint32_t* __restrict__ visibility, int mode, int fold, int num_pages, int page_size,           \
+             const uint32_t* __restrict__ visibility, int mode, int run, int fold, int num_pages, int page_size,  \
              int pages_per_req, int n_rows, int words, int heads, int max_chunks, float scale,                   \
              float* __restrict__ part_o, float* __restrict__ part_ml, int* __restrict__ status) {                \
-        chunk_kernel<MAY_HALVE>(q, cache, block_table, seq_len, visibility, mode, fold, num_pages, page_size,    \
-                                pages_per_req, n_rows, words, heads, max_chunks, scale, part_o, part_ml, status); \
+        chunk_kernel<MAY_HALVE>(q, cache, block_table, seq_len, visibility, mode, run, fold, num_pages,          \
+                                page_size, pages_per_req, n_rows, words, heads, max_chunks, scale, part_o,       \
+                                part_ml, status);                                                               \
     }
 KDT_MLA_CHUNK(mla_chunk, false)
 KDT_MLA_CHUNK(mla_chunk_half, true)

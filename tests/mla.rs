@@ -456,25 +456,28 @@ mod gpu {
         }
     }
 
-    /// Large decode batches fold their chunks by groups inside a CTA (src/cuda/mla.rs `folds`), a
-    /// request alone does not: both must give the same bits.
+    /// Large decode batches run several chunks in a CTA (src/cuda/mla.rs `chunk_runs`): at H 64 this
+    /// batch folds them by groups of four, at H 8 it runs pairs of chunks, each written to its own slot.
+    /// A request alone takes one chunk a CTA: both must give the same bits.
     #[test]
-    fn gpu_folded_decode_gives_the_same_bits_as_a_request_alone() {
+    fn gpu_decodes_run_in_folds_or_pairs_give_the_same_bits_as_a_request_alone() {
         let Some(gpu) = gpu() else { return };
-        let (bs, heads) = (64usize, 64usize);
+        let bs = 64usize;
         let seq: Vec<i32> = (0..bs as i32).map(|b| 1024 + b * 16).collect();
         let s = paged(91, bs, 2048, 64);
-        let mut next = xorshift(92);
-        let q = random_bf16(&mut next, bs * heads * ROW);
-        let batch = gpu.mla_decode(&q, heads, &cache_of(&s), &seq, scale()).unwrap();
         let ppr = s.layout.pages_per_req;
-        for b in [0usize, 17, 63] {
-            let cache = PagedCache { block_table: &s.table[b * ppr..(b + 1) * ppr], ..cache_of(&s) };
-            let alone = gpu.mla_decode(&q[b * heads * ROW..(b + 1) * heads * ROW], heads, &cache, &seq[b..=b], scale());
-            let alone = alone.unwrap();
-            let name = format!("folded decode request {b}");
-            assert_bits(&name, "o", &alone.o, &batch.o[b * heads * LATENT..(b + 1) * heads * LATENT]);
-            assert_bits(&name, "lse", &alone.lse, &batch.lse[b * heads..(b + 1) * heads]);
+        for heads in [64usize, 8] {
+            let mut next = xorshift(92 + heads as u64);
+            let q = random_bf16(&mut next, bs * heads * ROW);
+            let batch = gpu.mla_decode(&q, heads, &cache_of(&s), &seq, scale()).unwrap();
+            for b in [0usize, 17, 63] {
+                let cache = PagedCache { block_table: &s.table[b * ppr..(b + 1) * ppr], ..cache_of(&s) };
+                let q_b = &q[b * heads * ROW..(b + 1) * heads * ROW];
+                let alone = gpu.mla_decode(q_b, heads, &cache, &seq[b..=b], scale()).unwrap();
+                let name = format!("H {heads} decode request {b} of a batch");
+                assert_bits(&name, "o", &alone.o, &batch.o[b * heads * LATENT..(b + 1) * heads * LATENT]);
+                assert_bits(&name, "lse", &alone.lse, &batch.lse[b * heads..(b + 1) * heads]);
+            }
         }
     }
 
@@ -553,8 +556,9 @@ mod gpu {
     #[test]
     fn gpu_tree_rows_equal_decodes_over_their_compacted_sequences() {
         let Some(gpu) = gpu() else { return };
-        // Prefix 250: the tails of deep rows span two chunks; 512: the tail starts a chunk; 1000: mid chunk.
-        for (heads, prefix, budget) in [(8, 250usize, 64usize), (16, 512, 16), (64, 1000, 64)] {
+        // Prefix 250: the tails of deep rows span two chunks; 512: the tail starts a chunk; 1000: mid chunk;
+        // 4096: the prefix launch runs pairs of chunks (33 m-tiles × 16 chunks, src/cuda/mla.rs `chunk_runs`).
+        for (heads, prefix, budget) in [(8, 250usize, 64usize), (16, 512, 16), (64, 1000, 64), (8, 4096, 64)] {
             let t = tree_batch(81 + prefix as u64, heads, vec![prefix as i32], budget);
             let tree = t.run(gpu);
             let w = t.n.div_ceil(32);

@@ -5,7 +5,8 @@
 //! [`SPLIT`] rows) for a maximum shape; its `run_*` methods only queue kernels, with grids sized from the
 //! run's `max_seq_len`. Decode is two launches (chunks, combine); tree verify three (the chunks inside
 //! the prefix for all N×H rows of a request, the per-row tail chunks, combine). Large launches fold
-//! groups of `FOLD` (4) chunks inside a CTA and write one partial per group (same bits; see `folds`).
+//! groups of `FOLD` (4) chunks inside a CTA and write one partial per group, and launches of one wave of
+//! chunk pairs run two chunks a CTA (same bits either way; see [`chunk_runs`]).
 //! No memset either: the first chunk launch clears the status word, and the combine moves the chunk
 //! launches' bits into it.
 
@@ -50,10 +51,10 @@ pub const MAX_TREE_ROWS: usize = SPLIT + 1;
 
 /// Dynamic shared memory of `mla_chunk` (kernels/mla.cu `struct Smem`): 2 stages of 32 unpadded key
 /// rows, the four S partial tiles (16 rows of 32 floats), P as bf16 hi and lo (16 rows of 40), the
-/// rescale and fold factors and the chunk's key offsets: 86720 bytes, two CTAs per H200 SM and under the
-/// 99 KB a block may take on sm_120.
+/// rescale and fold factors and the key offsets of two chunks (this one and the CTA's next): 88768
+/// bytes, two CTAs per H200 SM and under the 99 KB a block may take on sm_120.
 pub(crate) const CHUNK_SHARED_BYTES: usize =
-    2 * 32 * ROW * 2 + 4 * 16 * 32 * 4 + 2 * 16 * 40 * 2 + 3 * 16 * 4 + SPLIT * 8;
+    2 * 32 * ROW * 2 + 4 * 16 * 32 * 4 + 2 * 16 * 40 * 2 + 3 * 16 * 4 + 2 * SPLIT * 8;
 /// Chunks per fold group (kernels/mla.cu FOLD).
 const FOLD: usize = 4;
 /// `mla_chunk` CTAs resident at once on an H200: 132 SMs, two CTAs each (launch bounds and shared memory).
@@ -178,10 +179,10 @@ impl MlaPlan {
         self.check_run(gpu, &x, out)?;
         self.reset_status(gpu)?;
         let (tiles, chunks) = (self.heads.div_ceil(TILE_ROWS), max_seq_len.div_ceil(SPLIT));
-        let fold = folds(tiles * x.bs(), chunks, self.heads.min(TILE_ROWS));
-        let slots = if fold { chunks.div_ceil(FOLD) } else { chunks };
-        self.launch_chunks(gpu, MODE_DECODE, fold, (tiles as u32, x.bs() as u32, slots as u32), &x)?;
-        self.launch_combine(gpu, &x, fold, out)
+        let runs = chunk_runs(tiles * x.bs(), chunks, self.heads.min(TILE_ROWS));
+        let grid = (tiles as u32, x.bs() as u32, runs.ctas(chunks) as u32);
+        self.launch_chunks(gpu, MODE_DECODE, runs, grid, &x)?;
+        self.launch_combine(gpu, &x, runs.fold, out)
     }
 
     /// Queues `tree_verify` of `bs = seq_len.len()` requests of `n_rows` tree rows: `q [bs, N, H, 576]`
@@ -209,14 +210,14 @@ impl MlaPlan {
         let bs = x.bs();
         // The prefix launch covers the chunks wholly inside a prefix: none when max_seq_len < SPLIT.
         let (prefix_tiles, full_chunks) = ((n_rows * self.heads).div_ceil(TILE_ROWS), max_seq_len / SPLIT);
-        let fold = folds(prefix_tiles * bs, full_chunks, (n_rows * self.heads).min(TILE_ROWS));
+        let runs = chunk_runs(prefix_tiles * bs, full_chunks, (n_rows * self.heads).min(TILE_ROWS));
         if full_chunks > 0 {
-            let slots = if fold { full_chunks.div_ceil(FOLD) } else { full_chunks };
-            self.launch_chunks(gpu, MODE_PREFIX, fold, (prefix_tiles as u32, bs as u32, slots as u32), &x)?;
+            let grid = (prefix_tiles as u32, bs as u32, runs.ctas(full_chunks) as u32);
+            self.launch_chunks(gpu, MODE_PREFIX, runs, grid, &x)?;
         }
         let tail_grid = (self.heads.div_ceil(TILE_ROWS) as u32, (bs * n_rows) as u32, TAIL_CHUNKS);
-        self.launch_chunks(gpu, MODE_TAIL, false, tail_grid, &x)?;
-        self.launch_combine(gpu, &x, fold, out)
+        self.launch_chunks(gpu, MODE_TAIL, Runs::SINGLE, tail_grid, &x)?;
+        self.launch_combine(gpu, &x, runs.fold, out)
     }
 
     /// Reads the status of the last run (a host round trip): an error if a slot mapped outside the block
@@ -287,13 +288,13 @@ impl MlaPlan {
         Ok(())
     }
 
-    /// One `mla_chunk` launch in `mode` over `grid` (m-tiles, request groups, chunk slots or, with
-    /// `fold`, fold groups). The MLA kernels are launched plainly: as programmatic dependent launches,
+    /// One `mla_chunk` launch in `mode` over `grid` (m-tiles, request groups, runs of `runs.per_cta`
+    /// chunks). The MLA kernels are launched plainly: as programmatic dependent launches,
     /// each waiting before its first load, they measured 35-40% slower on the H200 at H 8 bs 8 prefix
     /// 4096 and H 16 bs 1 prefix 16384 (4% faster at H 8 bs 1 prefix 1024, within 1% elsewhere).
     /// Decode and tail launches of at most 8 heads (tiles of at most 8 rows) take `mla_chunk_half`,
     /// which leaves out the work of the tiles' empty rows (H 8 decodes up to 3% faster on the H200).
-    fn launch_chunks(&mut self, gpu: &Gpu, mode: i32, fold: bool, grid: (u32, u32, u32), x: &Inputs) -> Result<()> {
+    fn launch_chunks(&mut self, gpu: &Gpu, mode: i32, runs: Runs, grid: (u32, u32, u32), x: &Inputs) -> Result<()> {
         let l = &x.cache.layout;
         let geometry = [l.num_pages as i32, l.page_size as i32, l.pages_per_req as i32];
         let shape = [x.n_rows as i32, x.n_rows.div_ceil(32) as i32, self.heads as i32, self.max_chunks as i32];
@@ -311,8 +312,8 @@ impl MlaPlan {
             Some(v) => b.arg(v),
             None => b.arg(&null),
         };
-        let fold = fold as i32;
-        b.arg(&mode).arg(&fold).arg(&geometry[0]).arg(&geometry[1]).arg(&geometry[2]);
+        let (per_cta, fold) = (runs.per_cta as i32, runs.fold as i32);
+        b.arg(&mode).arg(&per_cta).arg(&fold).arg(&geometry[0]).arg(&geometry[1]).arg(&geometry[2]);
         b.arg(&shape[0]).arg(&shape[1]).arg(&shape[2]).arg(&shape[3]);
         b.arg(&x.scale).arg(&mut self.part_o).arg(&mut self.part_ml).arg(&mut self.status);
         unsafe { b.launch(cfg) }.map_err(|e| cuda_err("mla_chunk", e))?;
@@ -408,6 +409,43 @@ fn folds(groups: usize, chunks: usize, tile_rows: usize) -> bool {
     let per_cta = chunks.min(FOLD);
     let folded = waves(folded_ctas, per_cta) * (1.0 + traffic / per_cta as f64);
     folded < unfolded
+}
+
+/// How a chunk launch deals its chunks to CTAs: runs of `per_cta` consecutive chunks of a row group, each
+/// chunk's result in its own slot, or (`fold`) fold groups folded inside the CTA.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Runs {
+    per_cta: usize,
+    fold: bool,
+}
+
+impl Runs {
+    const SINGLE: Runs = Runs { per_cta: 1, fold: false };
+    const PAIRS: Runs = Runs { per_cta: 2, fold: false };
+    const FOLDED: Runs = Runs { per_cta: FOLD, fold: true };
+
+    /// CTAs along the chunk axis for `chunks` chunks.
+    fn ctas(self, chunks: usize) -> usize {
+        chunks.div_ceil(self.per_cta)
+    }
+}
+
+/// The runs of a launch of `groups` (m-tiles × request groups) × `chunks` chunks over `tile_rows` valid
+/// query rows: fold groups where [`folds`] says so; else chunk pairs where one-chunk CTAs take more than a
+/// wave and pairs fill one ([`MIN_FOLDED_CTAS`] to [`CHUNK_SLOTS`]: 512 chunks, as at H 8 / H 16 bs 8 ×
+/// prefix 16384 or bs 32 × prefix 4096). A CTA streams its run's chunks without a break (the next chunk's
+/// first sub-tile loads while one ends), so the pair costs what its second wave would, without the
+/// second wave's start: its key lists and first loads with nothing else in flight.
+fn chunk_runs(groups: usize, chunks: usize, tile_rows: usize) -> Runs {
+    if folds(groups, chunks, tile_rows) {
+        return Runs::FOLDED;
+    }
+    let pairs = groups.saturating_mul(chunks.div_ceil(2));
+    if chunks >= 2 && groups.saturating_mul(chunks) > CHUNK_SLOTS && (MIN_FOLDED_CTAS..=CHUNK_SLOTS).contains(&pairs) {
+        Runs::PAIRS
+    } else {
+        Runs::SINGLE
+    }
 }
 
 /// CTAs per query row of `mla_combine`: the fewest (a power of two in
@@ -537,6 +575,20 @@ mod tests {
         assert!(!folds(550, 4, 8), "550 folded CTAs: a last wave of 22 CTAs of four chunks");
         // The GPU test of folded decodes (H 64, bs 64, 8 chunks) must fold.
         assert!(folds(4 * 64, 8, 16));
+        assert_eq!(chunk_runs(4 * 64, 8, 16), Runs::FOLDED);
+    }
+
+    #[test]
+    fn pairs_serve_launches_whose_pairs_fill_one_wave() {
+        assert_eq!(chunk_runs(8, 64, 8), Runs::PAIRS, "H 8 bs 8 prefix 16384: 256 pairs");
+        assert_eq!(chunk_runs(32, 16, 16), Runs::PAIRS, "H 16 bs 32 prefix 4096");
+        assert_eq!(chunk_runs(1, 256, 8), Runs::SINGLE, "bs 1 prefix 65536: one wave of single chunks");
+        assert_eq!(chunk_runs(64, 4, 8), Runs::SINGLE, "bs 64 prefix 1024: 256 chunks");
+        assert_eq!(chunk_runs(8, 80, 8), Runs::SINGLE, "320 pairs: more than a wave");
+        assert_eq!(chunk_runs(64, 16, 16), Runs::FOLDED, "folding comes first");
+        assert_eq!(chunk_runs(64, 8, 8), Runs::PAIRS, "the GPU test of chunk pairs: H 8, bs 64, 8 chunks");
+        assert_eq!(chunk_runs(33, 16, 16), Runs::PAIRS, "the GPU test of a tree prefix 4096 in pairs (N 65, H 8)");
+        assert_eq!(Runs::PAIRS.ctas(65), 33);
     }
 
     #[test]
