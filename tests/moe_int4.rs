@@ -336,11 +336,18 @@ mod gpu {
         }
     }
 
-    /// Runs a batch of `t` random tokens twice (bit-identical) and checks that its tokens (every one of a
-    /// few, four of many) give the same bits alone; returns how many tokens each expert received.
-    fn assert_deterministic_and_batch_invariant(seed: u64, t: usize, e: usize, k: usize) -> Vec<usize> {
+    /// Runs a batch of `t` random tokens of hidden size `h` (intermediate `i`) twice (bit-identical) and
+    /// checks that its tokens (every one of a few, four of many) give the same bits alone; returns how many
+    /// tokens each expert received.
+    fn assert_deterministic_and_batch_invariant(
+        seed: u64,
+        t: usize,
+        e: usize,
+        k: usize,
+        h: usize,
+        i: usize,
+    ) -> Vec<usize> {
         let gpu = gpu().expect("checked by the caller");
-        let (h, i) = (256, 128);
         let w = random_layer(seed, e, h, i);
         let dev = DeviceExperts::upload(gpu, &w.experts()).unwrap();
         let mut next = xorshift(seed + 1);
@@ -370,7 +377,7 @@ mod gpu {
         if gpu().is_none() {
             return;
         }
-        let per_expert = assert_deterministic_and_batch_invariant(11, 128, 16, 4);
+        let per_expert = assert_deterministic_and_batch_invariant(11, 128, 16, 4, 256, 128);
         assert!(per_expert.iter().all(|&n| n > 8), "every expert on the wide kernels: {per_expert:?}");
     }
 
@@ -381,9 +388,26 @@ mod gpu {
         if gpu().is_none() {
             return;
         }
-        let per_expert = assert_deterministic_and_batch_invariant(13, 6, 64, 4);
+        let per_expert = assert_deterministic_and_batch_invariant(13, 6, 64, 4, 256, 128);
         assert!(per_expert.contains(&1), "an expert with one token: {per_expert:?}");
         assert!(per_expert.iter().any(|&n| n > 1), "an expert with several tokens: {per_expert:?}");
+    }
+
+    /// The two tests above at shapes whose K spans many chunks of 128 input features, odd and partial
+    /// counts included (H 1152: 9 chunks; 1184: 9 and a quarter; 2176: 17; I 160: 1 and a quarter; 384:
+    /// 3), so that the one-token, narrow and wide kernels must split K into the same slices, in the same
+    /// order, to give the same bits (at H 256, I 128 one slice holds all of K).
+    #[test]
+    fn gpu_batch_invariance_holds_across_k_slices() {
+        if gpu().is_none() {
+            return;
+        }
+        for (seed, h, i) in [(31u64, 1152usize, 384usize), (33, 1184, 160), (35, 2176, 384)] {
+            let wide = assert_deterministic_and_batch_invariant(seed, 128, 16, 4, h, i);
+            assert!(wide.iter().all(|&n| n > 8), "H {h} I {i}: every expert on the wide kernels: {wide:?}");
+            let few = assert_deterministic_and_batch_invariant(seed + 1, 6, 64, 4, h, i);
+            assert!(few.contains(&1) && few.iter().any(|&n| n > 1), "H {h} I {i}: one and several tokens: {few:?}");
+        }
     }
 
     #[test]
