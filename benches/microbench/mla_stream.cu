@@ -4,8 +4,8 @@
 // row offsets from the block table, and streams the rows through a cp.async ring of STAGES sub-tiles of
 // BK rows, with three barriers per sub-tile as the kernel has. A spin of `delay` SM cycles per sub-tile,
 // split over the three phases, stands in for the S / softmax / P.V chain. Shared memory is padded to the
-// kernel's 86720 bytes (two CTAs an SM) unless a row says otherwise. Compared with cudaMemcpy (read +
-// write) of the same run. A second table lets `sharers` neighbouring CTAs read the same chunk, as the
+// kernel's 88768 bytes (two CTAs an SM; 86720 before session 29, also two) unless a row says otherwise.
+// Compared with cudaMemcpy (read + write) of the same run. A second table lets `sharers` neighbouring CTAs read the same chunk, as the
 // m-tiles of a tree prefix (33 at N 65, H 8) or of an H 64 decode (4) do: one of them brings the rows
 // from DRAM, the others find them in L2, so it measures what the L2 feeds the SMs in this pattern.
 // Standalone, for the GPU machine (BENCHMARKS.md, sessions 17 and 21):
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(THREADS) stream_chunks(const uint8_t* cache, c
     if (acc == 0x12345678u) out[0] = acc;
 }
 
-// `min_smem`: shared memory per CTA at least this (the kernel's 86720 bytes give two CTAs an H200 SM).
+// `min_smem`: shared memory per CTA at least this (the kernel's 88768 bytes give two CTAs an H200 SM).
 template <int STAGES, int BK>
 float time_chunks(const uint8_t* cache, const int* table, int reqs, int chunks, int sharers, int pages_per_req,
                   int delay, size_t min_smem, uint32_t* out, int* ctas_per_sm) {
@@ -88,7 +88,7 @@ float time_chunks(const uint8_t* cache, const int* table, int reqs, int chunks, 
 struct Shape {
     int reqs, len;
 };
-constexpr size_t KERNEL_SMEM = 86720;
+constexpr size_t KERNEL_SMEM = 88768;
 
 // Each CTA reads a chunk of its own (the decode's pattern) through the four rings.
 void private_chunks(const uint8_t* cache, const int* table, int pages_per_req, double copy_gbs, uint32_t* out) {
