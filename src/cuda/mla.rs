@@ -6,7 +6,7 @@
 //! run's `max_seq_len`. Decode is two launches (chunks, combine); tree verify three (the chunks inside
 //! the prefix for all N×H rows of a request, the per-row tail chunks, combine). Large launches fold
 //! groups of `FOLD` (4) chunks inside a CTA and write one partial per group, and launches of one wave of
-//! chunk pairs run two chunks a CTA (same bits either way; see [`chunk_runs`]).
+//! chunk pairs run two chunks a CTA (same bits either way; see `chunk_runs`).
 //! No memset either: the first chunk launch clears the status word, and the combine moves the chunk
 //! launches' bits into it.
 
