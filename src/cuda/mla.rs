@@ -441,7 +441,8 @@ fn chunk_runs(groups: usize, chunks: usize, tile_rows: usize) -> Runs {
         return Runs::FOLDED;
     }
     let pairs = groups.saturating_mul(chunks.div_ceil(2));
-    if chunks >= 2 && groups.saturating_mul(chunks) > CHUNK_SLOTS && (MIN_FOLDED_CTAS..=CHUNK_SLOTS).contains(&pairs) {
+    // One chunk per row group gives as many "pairs" as CTAs, more than a wave: such a launch stays single.
+    if groups.saturating_mul(chunks) > CHUNK_SLOTS && (MIN_FOLDED_CTAS..=CHUNK_SLOTS).contains(&pairs) {
         Runs::PAIRS
     } else {
         Runs::SINGLE
@@ -585,6 +586,7 @@ mod tests {
         assert_eq!(chunk_runs(1, 256, 8), Runs::SINGLE, "bs 1 prefix 65536: one wave of single chunks");
         assert_eq!(chunk_runs(64, 4, 8), Runs::SINGLE, "bs 64 prefix 1024: 256 chunks");
         assert_eq!(chunk_runs(8, 80, 8), Runs::SINGLE, "320 pairs: more than a wave");
+        assert_eq!(chunk_runs(300, 1, 8), Runs::SINGLE, "one chunk per row group: no pairs");
         assert_eq!(chunk_runs(64, 16, 16), Runs::FOLDED, "folding comes first");
         assert_eq!(chunk_runs(64, 8, 8), Runs::PAIRS, "the GPU test of chunk pairs: H 8, bs 64, 8 chunks");
         assert_eq!(chunk_runs(33, 16, 16), Runs::PAIRS, "the GPU test of a tree prefix 4096 in pairs (N 65, H 8)");
