@@ -5,9 +5,10 @@
 // BK rows, with three barriers per sub-tile as the kernel has. A spin of `delay` SM cycles per sub-tile,
 // split over the three phases, stands in for the S / softmax / P.V chain. Shared memory is padded to the
 // kernel's 88768 bytes (two CTAs an SM; 86720 before session 29, also two) unless a row says otherwise.
-// Compared with cudaMemcpy (read + write) of the same run. A second table lets `sharers` neighbouring CTAs read the same chunk, as the
-// m-tiles of a tree prefix (33 at N 65, H 8) or of an H 64 decode (4) do: one of them brings the rows
-// from DRAM, the others find them in L2, so it measures what the L2 feeds the SMs in this pattern.
+// Compared with cudaMemcpy (read + write) of the same run. A second table lets `sharers` neighbouring
+// CTAs read the same chunk, as the m-tiles of a tree prefix (33 at N 65, H 8) or of an H 64 decode (4)
+// do: one of them brings the rows from DRAM, the others find them in L2, so it measures what the L2
+// feeds the SMs in this pattern.
 // Standalone, for the GPU machine (BENCHMARKS.md, sessions 17 and 21):
 //   nvcc -arch=sm_90 -O3 -std=c++17 mla_stream.cu -o mla_stream && ./mla_stream [private|shared]
 #include <cstdio>
