@@ -7,7 +7,7 @@
 #        BENCH_ARGS adds criterion options, as in scripts/gpu-run.sh)
 #   e.g. scripts/gpu-ab.sh 'gpu_experts/t(1|4|16)$' before after
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 [ $# -ge 2 ] || { sed -n '2,7p' "$0"; exit 2; }
 filter=$1
 shift
@@ -15,6 +15,7 @@ out=${OUT:-$PWD/gpu-out}/ab
 mkdir -p "$out"
 export KDTREE_FIXTURES=$PWD/fixtures
 export CRITERION_HOME=$PWD/target/criterion-ab
+export KDTREE_REQUIRE_GPU=1  # a bench that finds no device fails instead of timing CPU rows only
 for name in "$@"; do
     xz -dkf "gpu-pack/variants/$name.xz" && chmod +x "gpu-pack/variants/$name"
 done

@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, after scripts/gpu-pack.sh built gpu-pack/ here:
-# every GPU test, compute-sanitizer memcheck and racecheck over the fixture tests, then the benches.
-# Logs and the criterion results go under $OUT (default ./gpu-out); a short table is printed last.
+# every GPU test, compute-sanitizer memcheck and racecheck over every test of every test binary, then
+# the benches. Logs and the criterion results go under $OUT (default ./gpu-out); a short table is printed
+# last. The proptest regression files (tests/*.proptest-regressions, where proptest persists a failing
+# case next to the test source) are copied to $OUT/proptest-regressions/, so that a case found here can
+# be committed in the repository (this machine has no git).
 # TESTS="gpu-pack/tests/NAME ..." limits the tests step to those binaries.
-# Usage: scripts/gpu-run.sh [tests|sanitize|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
+# Usage: scripts/gpu-run.sh [tests|sanitize|sanitize:quick|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
 #        (FILTER: a criterion name filter, e.g. bench:mla:gpu_decode runs only those rows)
+#        sanitize: memcheck and racecheck of every test of every binary, SANITIZE_JOBS (default 8)
+#        (tool, binary) jobs at a time, each with --test-threads SANITIZE_THREADS (default 2) and, when
+#        SANITIZE_TIMEOUT (seconds) is set, killed after that long; sanitize:quick only the fixture and
+#        batch-invariance tests (matches_every_fixture, batch_invariant) of every binary; sanitize:NAME
+#        every test of gpu-pack/tests/NAME
 #        BENCH_ARGS="..." adds criterion options to every bench, e.g. BENCH_ARGS="--warm-up-time 2
 #        --measurement-time 8" for the sustained runs of BENCHMARKS.md session 23
 #        (default: tests sanitize bench)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 out=${OUT:-$PWD/gpu-out}
 logs=$out/logs
 mkdir -p "$logs"
@@ -52,44 +60,96 @@ run_tests() {
     done
 }
 
+# One compute-sanitizer job: tool $1 over test binary $2, with the libtest arguments after them (a name
+# filter, the thread count); its log is $logs/TOOL-NAME.log. The summary line is written when the job
+# ends, so with jobs in parallel the lines come in the order they end.
+sanitize_one() {
+    local tool=$1 t=$2 name log start rc
+    shift 2
+    name=$(basename "$t")
+    log="$logs/$tool-$name.log"
+    start=$SECONDS
+    # timeout (duration 0: none) runs the sanitizer and the test binary in a process group of their own
+    # and passes on a TERM it gets, which the trap sends it when on_signal ends this job.
+    timeout --kill-after=30 "${SANITIZE_TIMEOUT:-0}" \
+        compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" "$@" >"$log" 2>&1 &
+    sanitizer_pid=$!
+    trap 'kill "$sanitizer_pid" 2>/dev/null; note "$tool $name: stopped before it ended"; exit 143' TERM
+    wait "$sanitizer_pid"
+    rc=$?
+    if grep -q "terminated before first instrumented API call" "$log"; then
+        note "$tool $name: no CUDA calls in the selected tests (CPU-only binary)"
+    else
+        if [ -n "${SANITIZE_TIMEOUT:-}" ] && { [ $rc = 124 ] || [ $rc = 137 ]; }; then
+            echo "timed out after $SANITIZE_TIMEOUT s" >>"$log"
+        fi
+        note "$tool $name: exit $rc, $((SECONDS - start)) s | $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY\|^timed out' "$log" | tail -1)"
+    fi
+}
+
+# memcheck and racecheck of the test binaries gpu-pack/tests/$1, with the libtest arguments after it
+# (none: every test), as parallel (tool, binary) jobs. The GPU has room for several test processes at
+# once, and racecheck of the heavy tests takes much longer than memcheck, so its jobs start first.
 run_sanitizer() {
-    local tool=$1 only=${2:-*}
-    for t in gpu-pack/tests/$only; do
-        local name log
-        name=$(basename "$t")
-        log="$logs/$tool-$name.log"
-        compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" matches_every_fixture batch_invariant --test-threads 1 >"$log" 2>&1
-        local rc=$?
-        if grep -q "terminated before first instrumented API call" "$log"; then
-            note "$tool $name: no CUDA calls in the selected tests (CPU-only binary)"
-        else
-            note "$tool $name: exit $rc | $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$log" | tail -1)"
+    local only=$1 tool t
+    shift
+    for tool in racecheck memcheck; do
+        for t in gpu-pack/tests/$only; do
+            while [ "$(jobs -rp | wc -l)" -ge "${SANITIZE_JOBS:-8}" ]; do wait -n; done
+            sanitize_one "$tool" "$t" "$@" --test-threads "${SANITIZE_THREADS:-2}" &
+        done
+    done
+    wait
+}
+
+# Copies every proptest regression file to $OUT/proptest-regressions/ (after each step, so that a run
+# cut short still brings back a failure found before; `final` also notes which files gained cases here).
+regressions_before=$(mktemp -d)
+cp tests/*.proptest-regressions "$regressions_before"/ 2>/dev/null
+save_regressions() {
+    local f
+    mkdir -p "$out/proptest-regressions"
+    for f in tests/*.proptest-regressions; do
+        [ -f "$f" ] || continue
+        cp "$f" "$out/proptest-regressions/"
+        if [ "${1:-}" = final ] && ! cmp -s "$f" "$regressions_before/$(basename "$f")"; then
+            note "proptest: new failing case(s) persisted in $f (copy in \$OUT/proptest-regressions/; commit it)"
         fi
     done
 }
+# Stopped from outside (a time limit): end this script's sanitizer jobs, then bring back the regressions.
+on_signal() {
+    jobs -p | xargs -r kill 2>/dev/null
+    wait
+    note "stopped by a signal (exit $1)"
+    save_regressions final
+    exit "$1"
+}
+trap 'on_signal 143' TERM
+trap 'on_signal 130' INT
 
 # Nsight Compute on one launch of each bandwidth-bound kernel at the issue's headline shapes.
 # `profile:moe` profiles only the MoE GEMMs.
 run_profile() {
-    local sections="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis --section LaunchStats"
-    ncu --clock-control none --kernel-name regex:'topk_chunk_f32|topk_merge' --launch-count 2 $sections \
+    local sections=(--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis --section LaunchStats)
+    ncu --clock-control none --kernel-name regex:'topk_chunk_f32|topk_merge' --launch-count 2 "${sections[@]}" \
         gpu-pack/benches/topk --bench 'topk/gpu_f32/bs64_b64_v163840' --warm-up-time 0.05 --measurement-time 0.05 \
         >"$logs/ncu-topk.log" 2>&1
     note "ncu topk: exit $?"
-    ncu --clock-control none --kernel-name regex:'greedy_accept_f32' --launch-count 1 $sections \
+    ncu --clock-control none --kernel-name regex:'greedy_accept_f32' --launch-count 1 "${sections[@]}" \
         gpu-pack/benches/greedy_accept --bench 'greedy_accept/gpu_f32/bs64_b64_v163840' --warm-up-time 0.05 \
         --measurement-time 0.05 >"$logs/ncu-greedy_accept.log" 2>&1
     note "ncu greedy_accept: exit $?"
-    ncu --clock-control none --kernel-name tree_build --launch-count 1 $sections \
+    ncu --clock-control none --kernel-name tree_build --launch-count 1 "${sections[@]}" \
         gpu-pack/benches/tree_build --bench 'tree_build/gpu/bs64_b64' --warm-up-time 0.05 --measurement-time 0.05 \
         >"$logs/ncu-tree_build.log" 2>&1
     note "ncu tree_build: exit $?"
 }
 
 run_profile_moe() {
-    local sections="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats"
+    local sections=(--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats)
     for b in moe_int4 moe_int4_tiled; do
-        ncu --clock-control none --kernel-name regex:'moe_(gate_up|down)' --launch-count 2 $sections \
+        ncu --clock-control none --kernel-name regex:'moe_(gate_up|down)' --launch-count 2 "${sections[@]}" \
             gpu-pack/benches/$b --bench "$b/gpu_experts/t1\$" --warm-up-time 0.05 --measurement-time 0.05 \
             >"$logs/ncu-$b.log" 2>&1
         note "ncu $b: exit $?"
@@ -99,10 +159,10 @@ run_profile_moe() {
 # `profile:mla` profiles one timed launch (past the warm-up check launches) of the MLA kernels at the
 # decode rows that miss their target, an H 64 decode and a tree verify.
 run_profile_mla() {
-    local sections="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section LaunchStats --section SourceCounters"
+    local sections=(--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section LaunchStats --section SourceCounters)
     for id in gpu_decode/h8_bs1_s65536 gpu_decode/h8_bs8_s16384 gpu_decode/h8_bs64_s1024 gpu_decode/h16_bs32_s4096 \
         gpu_decode/h64_bs8_s4096 gpu_tree/n65_h8_bs8_s4096; do
-        ncu --clock-control none --kernel-name regex:'mla_' --launch-skip 20 --launch-count 2 $sections \
+        ncu --clock-control none --kernel-name regex:'mla_' --launch-skip 20 --launch-count 2 "${sections[@]}" \
             gpu-pack/benches/mla --bench "mla/$id\$" --warm-up-time 0.05 --measurement-time 0.05 \
             >"$logs/ncu-mla-${id//\//-}.log" 2>&1
         note "ncu mla $id: exit $?"
@@ -122,8 +182,9 @@ date -u >>"$out/gpu.txt"
 for step in $steps; do
     case $step in
         tests) run_tests ;;
-        sanitize) run_sanitizer memcheck; run_sanitizer racecheck ;;
-        sanitize:*) run_sanitizer memcheck "${step#sanitize:}"; run_sanitizer racecheck "${step#sanitize:}" ;;
+        sanitize) run_sanitizer '*' ;;
+        sanitize:quick) run_sanitizer '*' matches_every_fixture batch_invariant ;;
+        sanitize:*) run_sanitizer "${step#sanitize:}" ;;
         bench) for b in gpu-pack/benches/*; do run_bench "$(basename "$b")"; done ;;
         bench:*:*) spec=${step#bench:}; run_bench "${spec%%:*}" "${spec#*:}" ;;
         bench:*) run_bench "${step#bench:}" ;;
@@ -132,7 +193,10 @@ for step in $steps; do
         profile:mla) run_profile_mla ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
+    save_regressions
 done
+save_regressions final
+rm -rf "$regressions_before"
 [ -d target/criterion ] && tar -czf "$out/criterion.tar.gz" -C target criterion
 tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$logs"
 cat "$out/gpu.txt" "$out/summary.txt"

@@ -72,9 +72,12 @@ pub mod gpu {
     use cudarc::driver::sys::{self, CUevent_flags};
     use kdtree_engine::cuda::Gpu;
 
-    /// The GPU, or `None` (the bench then has CPU rows only).
+    /// The GPU, or `None` (the bench then has CPU rows only); a panic instead when `KDTREE_REQUIRE_GPU`
+    /// is set (scripts/gpu-run.sh sets it), so that a GPU bench run without a device fails rather than
+    /// reporting CPU rows only.
     pub fn open() -> Option<Gpu> {
         if !kdtree_engine::cuda::device_available() {
+            assert!(std::env::var_os("KDTREE_REQUIRE_GPU").is_none(), "KDTREE_REQUIRE_GPU is set but no CUDA device");
             println!("skipped GPU rows: no CUDA device");
             return None;
         }

@@ -4,7 +4,8 @@
 //! Launchers follow a plan/run split: a plan allocates its scratch once for a maximum shape, and `run`
 //! only launches (no allocation, no host round trip). Each family also offers a host-to-host convenience
 //! call used by tests and examples. In debug builds every launch is followed by a synchronize and an
-//! error check, so a faulting kernel is reported at its launch site.
+//! error check, so a faulting kernel is reported at its launch site; while the stream is being captured
+//! into a CUDA graph (where a synchronize is not allowed) only the capture's status is checked.
 
 pub mod gemm_bf16;
 pub mod greedy_accept;
@@ -413,11 +414,26 @@ impl Gpu {
     }
 
     /// In debug builds, waits for the launch just queued and reports any fault under the kernel's name.
+    ///
+    /// While the stream is being captured into a CUDA graph the launch was only recorded, not run, and a
+    /// synchronize is not allowed (it fails and invalidates the capture), so it is skipped: the launch's
+    /// own result (checked by the caller) says whether the capture took the launch, and the capture status
+    /// read here must still be active, since a rejected operation invalidates it. A fault of the kernel
+    /// itself shows when the graph is replayed. In release builds nothing is checked here.
     fn after_launch(&self, kernel: &'static str) -> Result<()> {
-        if cfg!(debug_assertions) {
-            self.stream.synchronize().map_err(|e| cuda_err(kernel, e))?;
+        use sys::CUstreamCaptureStatus as Capture;
+        if !cfg!(debug_assertions) {
+            return Ok(());
         }
-        Ok(())
+        // cuStreamIsCapturing is one of the calls allowed during a capture (it does not invalidate it).
+        match self.stream.capture_status().map_err(|e| cuda_err(kernel, e))? {
+            Capture::CU_STREAM_CAPTURE_STATUS_NONE => self.stream.synchronize().map_err(|e| cuda_err(kernel, e)),
+            Capture::CU_STREAM_CAPTURE_STATUS_ACTIVE => Ok(()),
+            Capture::CU_STREAM_CAPTURE_STATUS_INVALIDATED => Err(Error::Cuda {
+                context: kernel,
+                detail: "the stream's graph capture was invalidated (an operation the capture does not allow)".into(),
+            }),
+        }
     }
 }
 
