@@ -410,7 +410,7 @@ def write_case(kernel, name, arrays, meta):
     with open(d / "meta.json", "w") as f:
         json.dump(meta, f, sort_keys=True, indent=1)
         f.write("\n")
-    params = " ".join(f"{k}={meta[k]}" for k in sorted(meta) if k not in ("description", "seed"))
+    params = " ".join(f"{k}={meta[k]}" for k in sorted(meta) if k not in ("description", "seed", "mutant_descriptions"))
     print(f"{kernel}/{name}: {params}")
 
 
@@ -803,6 +803,46 @@ def greedy_cases():
     greedy_case("v3_lt_budget_n17_l2", "V 3 < B 16: any argmax is a child, so every walk reaches depth L = 2.",
                 306, trees, arrays, x, 2, expect=[2, 2, 2])
 
+    # Budget 1 (N 2): the root and its one child, the top-1 token at depth 1, with L 3 (so accept_rows and
+    # emitted [bs, 4] are padded past accept_len + 1).
+    rng = np.random.default_rng(311)
+    V = 32
+    arrays, trees = random_trees(rng, 4, 3, V, 1)
+    x = base_target_logits(rng, 4, 2, V, "f32")
+    for t in trees:
+        assert t["num_nodes"] == 1 and t["node_token"][0] != t["node_token"][1]
+    force_path(rng, x[0], trees[0], 0, V, "absent")             # req 0: child rejected, bonus not in the tree
+    force_path(rng, x[1], trees[1], 0, V)                       # req 1: child rejected, bonus = the root token
+    x[1, 0, trees[1]["node_token"][0]] = forced_value(x[1, 0])
+    force_path(rng, x[2], trees[2], 1, V, "absent")             # req 2: child accepted, bonus not in the tree
+    force_path(rng, x[3], trees[3], 1, V)                       # req 3: child accepted, bonus = its own token
+    x[3, 1, trees[3]["node_token"][1]] = forced_value(x[3, 1])
+    greedy_case("budget1_bs4_n2_l3", "Budget 1 (N 2, L 3): the one child rejected (bonus absent / the root "
+                "token) and accepted (bonus absent / the child's token again).", 311, trees, arrays, x, 3,
+                expect=[0, 0, 1, 1])
+
+    # L 1: the tree is the root plus a star of K = B siblings, so accept_len is 0 or 1 and accept_rows /
+    # emitted are [bs, 2]. Seed 312 is one whose request 1 has a root token that is no child token (the
+    # assertion below guards it).
+    rng = np.random.default_rng(312)
+    arrays, trees = random_trees(rng, 4, 1, V, 8)
+    x = base_target_logits(rng, 4, 9, V, "f32")
+    for t in trees:
+        assert t["num_nodes"] == 8 and (t["node_depth"][1:] == 1).all(), "L 1 with K = B: a star of 8 siblings"
+    force_path(rng, x[0], trees[0], 0, V, "absent")             # req 0: root argmax in no row of the tree
+    t1 = trees[1]                                               # req 1: root argmax = the root's own token
+    assert t1["node_token"][0] not in child_tokens(t1, 0)
+    force_path(rng, x[1], t1, 0, V)
+    x[1, 0, t1["node_token"][0]] = forced_value(x[1, 0])
+    force_path(rng, x[2], trees[2], 1, V, "absent")             # req 2: the first sibling (row 1) accepted
+    t3 = trees[3]                                               # req 3: the last sibling (row 8) accepted,
+    force_path(rng, x[3], t3, 8, V)                             # bonus = the token of sibling row 1 (in the
+    x[3, 8, t3["node_token"][1]] = forced_value(x[3, 8])        # tree, but not a child of row 8)
+    greedy_case("l1_star_bs4_n9_v32", "L 1 (a star of 8 siblings): rejected with the bonus absent from the tree / "
+                "equal to the root token; row 1 / row 8 accepted, row 8's bonus is row 1's token.", 312, trees,
+                arrays, x, 1, expect=[0, 0, 1, 1])
+    assert x[3, 8].argmax() == t3["node_token"][1]
+
     # Realistic mixes: per request a random target depth (0..L), a random node at that depth.
     for seed, bs, L, V, budget in ((307, 16, 7, 1000, 16), (308, 1, 15, 4096, 64)):
         rng = np.random.default_rng(seed)
@@ -837,9 +877,11 @@ def greedy_cases():
 # kv_compact cases
 # ----------------------------------------------------------------------------------------------------------
 
-def kv_case(name, description, seed, layers, page_size, D, L, pages_per_req, extra_pages, seq_len, paths):
+def kv_case(name, description, seed, layers, page_size, D, L, pages_per_req, extra_pages, seq_len, paths,
+            n_rows=None):
     """paths[b] = accept_rows without padding ([0, ...]); the cache is random bf16 bit patterns (any bits:
-    the op is a copy, so NaN payloads must survive too)."""
+    the op is a copy, so NaN payloads must survive too). n_rows: the tree's N when the case models a given
+    budget (then all N tree rows after each prefix fit in the block table); default the rows the paths need."""
     rng = np.random.default_rng(seed)
     bs = len(paths)
     pages = bs * pages_per_req + extra_pages
@@ -854,7 +896,11 @@ def kv_case(name, description, seed, layers, page_size, D, L, pages_per_req, ext
         accept_rows[b, :len(p)] = p
     assert len(set(block_table.ravel().tolist())) == block_table.size, "requests never share a page"
     out = kv_compact(cache, block_table, seq, accept_len, accept_rows)
-    n_rows = max(L + 1, max(p[-1] for p in paths) + 1)   # the tree rows written after each prefix
+    if n_rows is None:
+        n_rows = max(L + 1, max(p[-1] for p in paths) + 1)   # the tree rows written after each prefix
+    else:
+        assert all(p[-1] < n_rows for p in paths)
+        assert (seq + n_rows - 1 < pages_per_req * page_size).all(), "the N tree rows fit in the block table"
     write_case("kv_compact", name,
                {"cache": cache, "block_table": block_table, "seq_len": seq, "accept_len": accept_len,
                 "accept_rows": accept_rows, "cache_out": out},
@@ -910,6 +956,19 @@ def kv_cases():
     rng = np.random.default_rng(408)
     kv_case("ps1_d576_bs2_l7", "Page size 1, D 576, random paths.", 408, 3, 1, 576, 7, 24, 2,
             rng.integers(0, 8, 2).tolist(), random_paths(rng, 2, 7, 16))
+    # L 1 (a star tree of budget 8, N 9): accept_len 0 or 1, the one accepted row anywhere in 1..8. Page size 4:
+    # seq_len 3 and 7 end a page (slot seq + 1 opens the next one), seq_len 2 makes seq + 1 a page's last slot.
+    c, o = kv_case("l1_n9_ps4_d8", "L 1, N 9, page size 4: row 5 from seq_len 3 (a page end: slot 8 to slot 4, "
+                   "both on later pages), row 1 from seq_len 7 (a self copy of a page's first slot), row 8 from "
+                   "seq_len 2 (into a page's last slot), accept_len 0 from seq_len 0 and 4.", 410, 3, 4, 8, 1, 4, 2,
+                   [3, 0, 7, 2, 4], [[0, 5], [0], [0, 1], [0, 8], [0]], n_rows=9)
+    assert not (c == o).all()
+    # Budget 1 (N 2) with L 3: the only draft row, row 1, is already slot seq + 1, so every move is a self copy
+    # and the cache must come back unchanged; accept_rows [bs, 4] is padded after [0, 1].
+    c, o = kv_case("budget1_n2_l3_ps4_d8", "Budget 1 (N 2, L 3), page size 4: accept_len 1 (row 1 onto itself) "
+                   "from seq_len 3 / 7 (page ends) and 2, accept_len 0 from seq_len 0; the cache is unchanged.",
+                   411, 3, 4, 8, 3, 3, 1, [3, 0, 7, 2], [[0, 1], [0], [0, 1], [0, 1]], n_rows=2)
+    assert (c == o).all()
     rng = np.random.default_rng(409)
     kv_case("real_bs8_ps16_d8_l15", "bs 8, L 15, rows up to 64 (budget 64), random seq_len and paths.", 409, 3,
             16, 8, 15, 8, 4, rng.integers(0, 128 - 64, 8).tolist(), random_paths(rng, 8, 15, 64))
