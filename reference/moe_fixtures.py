@@ -45,7 +45,6 @@ KERNELS = ("moe_routing", "moe_int4")
 GROUP = 32                      # quantization group along the input dim
 PACK = 8                        # nibbles per int32
 RSF_KIMI = 2.827                # routed_scaling_factor of Kimi-K2 (float64)
-TOL_OUT_REL = 5e-3              # relative Frobenius error of out over the whole case
 BF16_ONE = 0x3F80               # the scale of an all-zero group
 
 
@@ -255,10 +254,33 @@ def moe_naive(x_bits, ids, weights, w13, w2):
     return out
 
 
-def moe_emulate_f32(x_bits, ids, weights, w13, w2, bf16_weights):
-    """What an f32-accumulating kernel computes (tolerance check only): f32 products and sums, f32 silu, h rounded
-    to bf16, f32 combine in slot order; optionally the dequantized weights rounded to bf16 (a kernel that
-    dequantizes into bf16 MMA operands)."""
+TOL_MULTIPLE = 8                # a tolerance is this multiple of the worst observed error of correct f32 kernels
+F32_EPS = 2.0 ** -24            # unit roundoff of f32: no observed error is taken below it
+OUT_SCALE = 1.001               # the 0.1% output scale of the `out_scale` mutant
+TIE_MARGIN = 2.0 ** -16         # h this close (relative) to a bf16 midpoint counts as a rounding near-tie
+SCALE_BINADE = 2.0 ** -7        # INT4 group scales are drawn from [2^-7, 2^-6) (see int4_case)
+
+
+def seq_sum(x, axis):
+    """A sequential f32 sum (one addition after another, as a kernel's accumulator does)."""
+    return np.cumsum(x, axis=axis, dtype=F32).take(-1, axis=axis)
+
+
+def grouped_dot(x, packed, scale_bits):
+    """x [K] f32 against INT4 rows [M, K/8] the way the kernels take them: per group of 32 the exact products
+    x * (nibble - 8) summed in f32, then times the group's scale and added in group order, in f32."""
+    q = (unpack_nibbles(packed).astype(np.int64) - 8).astype(F32)                       # [M, K]
+    M, K = q.shape
+    partial = seq_sum((x[None, :] * q).reshape(M, K // GROUP, GROUP), axis=2)           # [M, K/32]
+    return seq_sum(partial * bf16_bits_to_f32(scale_bits), axis=1)
+
+
+def moe_emulate_f32(x_bits, ids, weights, w13, w2, packed=None, round_h=True, bf16_weights=False):
+    """What an f32-accumulating kernel computes: f32 products summed in sequence, f32 silu, h rounded to bf16,
+    f32 combine in slot order. With `packed` ((w13_packed, w13_scale, w2_packed, w2_scale)) the dot products
+    go group by group with the scale applied once per group, as the tensor-core kernels do; else over the
+    dequantized weights. Two contract violations for the mutants: round_h False keeps h in f32, bf16_weights
+    rounds the dequantized weights to bf16 (a kernel that dequantizes into bf16 MMA operands)."""
     x = bf16_bits_to_f32(x_bits)
     W13, W2 = w13.astype(F32), w2.astype(F32)
     if bf16_weights:
@@ -269,12 +291,35 @@ def moe_emulate_f32(x_bits, ids, weights, w13, w2, bf16_weights):
     for t in range(T):
         for slot in range(k):
             e = ids[t, slot]
-            gu = (x[t][None, :] * W13[e]).sum(axis=1, dtype=F32)
+            if packed is None:
+                gu = seq_sum(x[t][None, :] * W13[e], axis=1)
+            else:
+                gu = grouped_dot(x[t], packed[0][e], packed[1][e])
             g, u = gu[:I], gu[I:]
-            h = round_to_bf16(g / (F32(1) + np.exp(-g)) * u)
-            y = (h[None, :] * W2[e]).sum(axis=1, dtype=F32)
+            h = g / (F32(1) + np.exp(-g)) * u
+            h = round_to_bf16(h) if round_h else h
+            y = seq_sum(h[None, :] * W2[e], axis=1) if packed is None else grouped_dot(h, packed[2][e], packed[3][e])
             out[t] = out[t] + weights[t, slot] * y
     return out
+
+
+def token_errors(out, ref):
+    """Relative L2 error of each token's output row (the Rust tests' per-token check)."""
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(out - ref, axis=1) / np.linalg.norm(ref, axis=1)
+
+
+def near_ties(h64, margin=TIE_MARGIN):
+    """h values within `margin` (relative) of a bf16 rounding midpoint, where an f32 kernel's h could round the
+    other way than the float64 reference's."""
+    return f64_to_bf16_bits(h64 * (1 + margin)) != f64_to_bf16_bits(h64 * (1 - margin))
+
+
+def pair_h64(x, ids, w13):
+    """float64 h [k, I] of one token (x [H] float64), before its bf16 rounding."""
+    I = w13.shape[1] // 2
+    gu = np.stack([dot_rows(x[None, :], w13[e])[0] for e in ids])
+    return silu64(gu[:, :I]) * gu[:, I:]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -448,19 +493,68 @@ def routing_cases():
 TOL_REPORT = []
 
 
+def random_scales(rng, shape):
+    """bf16 scales m * 2^-14 with m uniform in 128 .. 255: one binade, [2^-7, 2^-6)."""
+    scale = rng.integers(128, 256, size=shape).astype(np.float64) * (SCALE_BINADE / 128)
+    return f64_to_bf16_bits(scale)
+
+
+def tie_free_tokens(rng, T, H, ids, w13):
+    """x [T, H] bf16 bits, values k/4 for integers k in -16 .. 16, each token drawn again until none of its h
+    values is a rounding near-tie. With such x and one-binade scales, every x . w13 product is an integer
+    multiple of 2^-16 and every partial sum stays below 2^24 of them, so g and u are exact in f32 in any
+    order; with no near-tie either, a correct f32 kernel rounds every h as the float64 reference does."""
+    x = np.zeros((T, H))
+    for t in range(T):
+        for _ in range(200):
+            x[t] = rng.integers(-16, 17, size=H) / 4.0
+            if not near_ties(pair_h64(x[t], ids[t], w13)).any():
+                break
+        else:
+            raise AssertionError(f"no tie-free x for token {t} in 200 draws")
+    return f32_to_bf16_bits(x.astype(F32))
+
+
+def check_exact_gate_up(x_bits, ids, w13, packed):
+    """Both f32 orders (sequential over the dequantized row, grouped with the scale per group) give the
+    float64 gate/up values bit for bit."""
+    x = bf16_bits_to_f32(x_bits)
+    for t in range(ids.shape[0]):
+        for e in ids[t]:
+            want = dot_rows(x[t][None, :].astype(np.float64), w13[e])[0]
+            assert (seq_sum(x[t][None, :] * w13[e].astype(F32), axis=1).astype(np.float64) == want).all()
+            assert (grouped_dot(x[t], packed[0][e], packed[1][e]).astype(np.float64) == want).all()
+
+
+def moe_mutants(x, ids, weights, w13, w2, out):
+    """Contract violations applied to the reference: name -> (description, out)."""
+    E = w13.shape[0]
+    wrong_ids = ids.copy()
+    wrong_ids[0, 0] = next(e for e in range(E) if e not in ids[0])
+    return {
+        "h_unrounded": ("h kept in f32 (the contract's bf16 rounding of h skipped)",
+                        moe_emulate_f32(x, ids, weights, w13, w2, round_h=False)),
+        "out_scale": (f"out scaled by {OUT_SCALE} (0.1%)", out * F32(OUT_SCALE)),
+        "weights_bf16": ("dequantized weights rounded to bf16 (a kernel that dequantizes into bf16 MMA operands)",
+                         moe_emulate_f32(x, ids, weights, w13, w2, bf16_weights=True)),
+        "wrong_expert": ("token 0's first slot computed with an expert it did not choose (one wrong pair)",
+                         moe_ref(x, wrong_ids, weights, w13, w2).astype(F32)),
+    }
+
+
 def int4_case(name, description, seed, T, H, I, E, k, empty=(), zero_groups=True, full_range=False,
               store_dequant=False):
-    """Routing from random logits and bias; x random normal as bf16; bf16 weights N(0, 1) * 0.05, quantized.
+    """Routing from random logits and bias; bf16 weights N(0, 1) * 0.05 quantized, then the group scales
+    drawn again on one binade (random_scales); x tie-free (tie_free_tokens).
     zero_groups: one all-zero group in w13 (gate row 0, group 0) and in w2 (row 1, last group) of the first
     token's first expert. full_range: one group of w13 (an up row) and of w2 set directly to the nibbles 0 .. 15
     twice (shuffled), so the dequant of nibble 0 (q = -8), which the quantizer never produces, is exercised."""
-    assert H % GROUP == 0 and I % GROUP == 0 and k <= E - len(empty)
+    assert H % GROUP == 0 and I % GROUP == 0 and k <= E - len(empty) and H <= 256
     rng = np.random.default_rng(seed)
     logits, bias = random_router(rng, T, E, empty=empty)
     ids, weights = route(logits, bias, k)
     offsets, pairs = align(ids, E)
     check_alignment(ids, E, offsets, pairs)
-    x = f32_to_bf16_bits(rng.standard_normal((T, H)).astype(F32))
     w13_bits = f32_to_bf16_bits((rng.standard_normal((E, 2 * I, H)) * 0.05).astype(F32))
     w2_bits = f32_to_bf16_bits((rng.standard_normal((E, H, I)) * 0.05).astype(F32))
     e0 = int(ids[0, 0])
@@ -469,6 +563,8 @@ def int4_case(name, description, seed, T, H, I, E, k, empty=(), zero_groups=True
         w2_bits[e0, 1, I - GROUP:] = 0
     nib13, s13 = quantize(w13_bits)
     nib2, s2 = quantize(w2_bits)
+    s13 = np.where(s13 == BF16_ONE, s13, random_scales(rng, s13.shape)).astype(np.uint16)
+    s2 = np.where(s2 == BF16_ONE, s2, random_scales(rng, s2.shape)).astype(np.uint16)
     if zero_groups:
         assert s13[e0, 0, 0] == BF16_ONE and s2[e0, 1, I // GROUP - 1] == BF16_ONE
     if full_range:
@@ -479,29 +575,38 @@ def int4_case(name, description, seed, T, H, I, E, k, empty=(), zero_groups=True
     w13, w2 = dequant(w13_packed, s13), dequant(w2_packed, s2)
     assert w13_packed.shape == (E, 2 * I, H // PACK) and s13.shape == (E, 2 * I, H // GROUP)
     assert w2_packed.shape == (E, H, I // PACK) and s2.shape == (E, H, I // GROUP)
+    x = tie_free_tokens(rng, T, H, ids, w13)
+    packed = (w13_packed, s13, w2_packed, s2)
+    check_exact_gate_up(x, ids, w13, packed)
 
     out64 = moe_ref(x, ids, weights, w13, w2)
     naive = moe_naive(x, ids, weights, w13, w2)
     assert np.abs(out64 - naive).max() <= 1e-12, np.abs(out64 - naive).max()
     out = out64.astype(F32)
-    for bf16_weights in (False, True):
-        rel = rel_frobenius(moe_emulate_f32(x, ids, weights, w13, w2, bf16_weights), out)
-        assert rel < TOL_OUT_REL, (name, bf16_weights, rel)
-        TOL_REPORT.append(rel)
+    observed = max(token_errors(moe_emulate_f32(x, ids, weights, w13, w2, packed=p), out).max()
+                   for p in (None, packed))
+    tol = TOL_MULTIPLE * max(observed, F32_EPS)
+    mutants = moe_mutants(x, ids, weights, w13, w2, out)
+    for m, (_, got) in mutants.items():
+        assert (token_errors(got, out) > tol).any(), f"{name}: the tolerance accepts the {m} mutant"
+    TOL_REPORT.append((name, observed, tol, {m: token_errors(got, out).max() for m, (_, got) in mutants.items()}))
     for e in empty:
         assert offsets[e] == offsets[e + 1]
     no_token = empty_experts(offsets)
     assert no_token, "every case has an expert that receives no token"
     description += (f" Routing by the moe_routing reference (rsf 2.827) from logits N(-1, 2) and bias N(0, 0.05); x "
-                    f"N(0, 1) as bf16; weights N(0, 1) * 0.05 as bf16, then quantized. Experts with no token: "
-                    f"{', '.join(map(str, no_token))}.")
+                    f"tie-free, values k/4 for integers k in -16..16; weights N(0, 1) * 0.05 as bf16, quantized, "
+                    f"scales drawn again on [2^-7, 2^-6). Experts with no token: {', '.join(map(str, no_token))}.")
 
     arrays = {"x": x, "topk_ids": ids, "topk_weights": weights, "w13_packed": w13_packed, "w13_scale": s13,
               "w2_packed": w2_packed, "w2_scale": s2, "out": out}
+    arrays.update({f"mutant_{m}_out": got.astype(F32) for m, (_, got) in mutants.items()})
     if store_dequant:
         arrays["w13"], arrays["w2"] = w13.astype(F32), w2.astype(F32)
     write_case("moe_int4", name, arrays,
-               {"T": T, "H": H, "I": I, "E": E, "k": k, "tol_out_rel": TOL_OUT_REL, "seed": seed,
+               {"T": T, "H": H, "I": I, "E": E, "k": k, "tol_out_rel": tol, "observed_out_rel": observed,
+                "tol_multiple": TOL_MULTIPLE, "mutants": list(mutants),
+                "mutant_descriptions": {m: d for m, (d, _) in mutants.items()}, "seed": seed,
                 "description": description})
 
 
@@ -519,8 +624,9 @@ def int4_cases():
     int4_case("h128_i64_e8_k3_t33", "T 33 (H 128, I 64, E 8, k 3); expert 7 (the last) has bias -4; "
               "an all-zero group in w13 and w2 of topk_ids[0][0].", 804, T=33, H=128, I=64, E=8, k=3,
               empty=(7,))
-    print(f"moe: f32 emulation within tolerance on every case (worst out_rel {max(TOL_REPORT):.2e} of "
-          f"{TOL_OUT_REL})")
+    for name, observed, tol, mutants in TOL_REPORT:
+        print(f"moe_int4/{name}: observed out_rel {observed:.2e}, tolerance {tol:.2e}; mutants "
+              + ", ".join(f"{m} {e:.1e}" for m, e in mutants.items()))
 
 
 def moe_cases():

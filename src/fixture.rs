@@ -85,6 +85,16 @@ impl Fixture {
         })
     }
 
+    /// A list of strings from `meta.json`.
+    pub fn strings(&self, key: &str) -> Result<Vec<String>> {
+        let list = self.meta.get(key).and_then(|v| v.as_array());
+        let strings = list.and_then(|l| l.iter().map(|v| v.as_str().map(str::to_owned)).collect::<Option<Vec<_>>>());
+        strings.ok_or_else(|| Error::Data {
+            path: self.dir.join("meta.json"),
+            detail: format!("missing key `{key}` or not a list of strings"),
+        })
+    }
+
     /// Reads `<name>.npy` as a flat vector, checking its dtype.
     pub fn array<T: Deserialize>(&self, name: &str) -> Result<Vec<T>> {
         read_npy(&self.dir.join(format!("{name}.npy")))

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{cases, xorshift};
+use common::{cases, mutants, worst_abs, worst_rel_l2, xorshift, Worst};
 use half::bf16;
 use kdtree_engine::cpu::mla::{mla_decode, tree_verify, MlaOutput, PagedCache, LATENT, ROW};
 use kdtree_engine::fixture::Fixture;
@@ -28,22 +28,99 @@ fn layout(case: &Fixture, bs: usize) -> KvLayout {
     KvLayout { layers: 1, num_pages: u("pages"), page_size: u("page_size"), row_elems: ROW, pages_per_req }
 }
 
-/// Relative Frobenius error of `o` and max absolute error of `lse` (-inf must match -inf).
-fn check_close(name: &str, case: &Fixture, got: &MlaOutput) {
-    let (want_o, want_lse) = (case.array::<f32>("o").unwrap(), case.array::<f32>("lse").unwrap());
-    assert_eq!(got.o.len(), want_o.len(), "{name}: o length");
-    let rel = common::rel_frobenius(&got.o, &want_o);
-    let tol_o = case.f64("tol_o_rel").unwrap();
-    println!("{name}: o relative error {rel:.3e} (tolerance {tol_o:e})");
-    assert!(rel <= tol_o, "{name}: o relative error {rel:e} > {tol_o:e}");
-    let tol_lse = case.f64("tol_lse_abs").unwrap();
-    for (i, (g, w)) in got.lse.iter().zip(&want_lse).enumerate() {
-        if w.is_infinite() {
-            assert_eq!(g, w, "{name}: lse[{i}]");
-        } else {
-            assert!((g - w).abs() as f64 <= tol_lse, "{name}: lse[{i}] {g} vs {w}");
+/// The per-position tolerances of a case (`meta.json`): a multiple of the worst error of a correct f32
+/// implementation against the float64 reference, per (query row, head).
+#[derive(Clone, Copy, Debug)]
+struct Tolerance {
+    o_rel: f64,
+    lse_abs: f64,
+}
+
+impl Tolerance {
+    fn of(case: &Fixture) -> Self {
+        Tolerance { o_rel: case.f64("tol_o_rel").unwrap(), lse_abs: case.f64("tol_lse_abs").unwrap() }
+    }
+}
+
+/// Checks an MLA output position by position (a position is one query row and head): the relative L2 error
+/// of its 512 `o` values and the absolute error of its `lse` (-inf and all-zero rows matched exactly). Returns
+/// the worst errors, or a message naming the first bound broken and where.
+fn check_mla(
+    got: &MlaOutput,
+    want_o: &[f32],
+    want_lse: &[f32],
+    heads: usize,
+    tol: Tolerance,
+) -> Result<(Worst, Worst), String> {
+    if got.o.len() != want_o.len() || got.lse.len() != want_lse.len() {
+        return Err(format!(
+            "o / lse lengths {} / {}, want {} / {}",
+            got.o.len(),
+            got.lse.len(),
+            want_o.len(),
+            want_lse.len()
+        ));
+    }
+    let (o, lse) = (worst_rel_l2(&got.o, want_o, LATENT), worst_abs(&got.lse, want_lse));
+    let at = |p: usize| format!("query row {}, head {}", p / heads, p % heads);
+    if o.error > tol.o_rel {
+        return Err(format!("o relative error {:e} > {:e} at {}", o.error, tol.o_rel, at(o.at)));
+    }
+    if lse.error > tol.lse_abs {
+        let (g, w) = (got.lse[lse.at], want_lse[lse.at]);
+        return Err(format!("lse error {:e} > {:e} at {} (got {g}, want {w})", lse.error, tol.lse_abs, at(lse.at)));
+    }
+    Ok((o, lse))
+}
+
+/// Runs `run` on every fixture of `kernel` and checks it against the reference within the case's tolerance.
+fn matches_every_fixture(label: &str, kernel: &str, run: impl Fn(&Fixture) -> MlaOutput) {
+    for case in cases(kernel) {
+        let got = run(&case);
+        let (o, lse, heads) =
+            (case.array::<f32>("o").unwrap(), case.array::<f32>("lse").unwrap(), case.usize("H").unwrap());
+        let tol = Tolerance::of(&case);
+        let name = format!("{label} {kernel}/{}", case.name());
+        let (wo, wl) = check_mla(&got, &o, &lse, heads, tol).unwrap_or_else(|e| panic!("{name}: {e}"));
+        println!(
+            "{name}: worst o_rel {:.2e} (tolerance {:.2e}, f32 emulation {:.2e}), worst lse_abs {:.2e} (tolerance {:.2e}, emulation {:.2e})",
+            wo.error,
+            tol.o_rel,
+            case.f64("observed_o_rel").unwrap(),
+            wl.error,
+            tol.lse_abs,
+            case.f64("observed_lse_abs").unwrap()
+        );
+    }
+}
+
+/// Runs `run` on every fixture of `kernel` that carries mutants and checks that each mutant (a contract
+/// violation applied to the reference) is rejected by the tolerance the real reference passes.
+fn rejects_every_mutant(label: &str, kernel: &str, run: impl Fn(&Fixture) -> MlaOutput) {
+    let mut rejected = 0;
+    for case in cases(kernel) {
+        let names = mutants(&case);
+        if names.is_empty() {
+            continue;
+        }
+        let got = run(&case);
+        let (heads, tol) = (case.usize("H").unwrap(), Tolerance::of(&case));
+        for m in names {
+            let o = case.array::<f32>(&format!("mutant_{m}_o")).unwrap();
+            let lse = case.array::<f32>(&format!("mutant_{m}_lse")).unwrap();
+            match check_mla(&got, &o, &lse, heads, tol) {
+                Ok((wo, wl)) => panic!(
+                    "{label} {kernel}/{}: mutant {m} accepted (worst o_rel {:e}, lse_abs {:e})",
+                    case.name(),
+                    wo.error,
+                    wl.error
+                ),
+                Err(why) => println!("{label} {kernel}/{}: mutant {m} rejected: {why}", case.name()),
+            }
+            rejected += 1;
         }
     }
+    assert!(rejected > 0, "{label} {kernel}: no fixture carries mutants");
 }
 
 /// A fixture's shared inputs: queries, the paged cache and its block tables, prefix lengths, the scale.
@@ -74,24 +151,36 @@ impl MlaInputs {
     }
 }
 
+fn cpu_decode(case: &Fixture) -> MlaOutput {
+    let x = MlaInputs::load(case);
+    mla_decode(&x.q, case.usize("H").unwrap(), &x.cache(), &x.seq_len, x.scale).unwrap()
+}
+
+fn cpu_tree_verify(case: &Fixture) -> MlaOutput {
+    let x = MlaInputs::load(case);
+    let (n, h) = (case.usize("N").unwrap(), case.usize("H").unwrap());
+    let vis = case.array::<u32>("visibility").unwrap();
+    tree_verify(&x.q, n, h, &x.cache(), &x.seq_len, &vis, x.scale).unwrap()
+}
+
 #[test]
 fn cpu_decode_matches_every_fixture() {
-    for case in cases("mla_decode") {
-        let x = MlaInputs::load(&case);
-        let got = mla_decode(&x.q, case.usize("H").unwrap(), &x.cache(), &x.seq_len, x.scale);
-        check_close(&case.name(), &case, &got.unwrap());
-    }
+    matches_every_fixture("cpu", "mla_decode", cpu_decode);
 }
 
 #[test]
 fn cpu_tree_verify_matches_every_fixture() {
-    for case in cases("tree_verify") {
-        let x = MlaInputs::load(&case);
-        let (n, h) = (case.usize("N").unwrap(), case.usize("H").unwrap());
-        let vis = case.array::<u32>("visibility").unwrap();
-        let got = tree_verify(&x.q, n, h, &x.cache(), &x.seq_len, &vis, x.scale);
-        check_close(&case.name(), &case, &got.unwrap());
-    }
+    matches_every_fixture("cpu", "tree_verify", cpu_tree_verify);
+}
+
+#[test]
+fn cpu_decode_rejects_every_mutant() {
+    rejects_every_mutant("cpu", "mla_decode", cpu_decode);
+}
+
+#[test]
+fn cpu_tree_verify_rejects_every_mutant() {
+    rejects_every_mutant("cpu", "tree_verify", cpu_tree_verify);
 }
 
 /// Random bf16 values of standard-normal-like spread.
@@ -224,40 +313,12 @@ mod gpu {
     use kdtree_engine::TreeShape;
     use proptest::prelude::*;
 
-    /// GPU against CPU: both are f32 accumulations of the same bf16 inputs, so they agree far inside the
-    /// fixtures' tolerance against float64.
-    const TOL_O: f64 = 5e-4;
-    const TOL_LSE: f64 = 2e-5;
-
-    /// Relative Frobenius error of `o` (naming the element of largest error) and max abs error of `lse`
-    /// (naming the first bad index; -inf must match exactly).
-    fn assert_close(name: &str, got: &MlaOutput, want_o: &[f32], want_lse: &[f32], tol_o: f64, tol_lse: f64) {
-        assert_eq!(got.o.len(), want_o.len(), "{name}: o length");
-        assert_eq!(got.lse.len(), want_lse.len(), "{name}: lse length");
-        let (mut err, mut norm, mut worst) = (0.0f64, 0.0f64, (0usize, 0.0f64));
-        for (i, (g, w)) in got.o.iter().zip(want_o).enumerate() {
-            let d = (*g as f64 - *w as f64).abs();
-            if d > worst.1 || d.is_nan() {
-                worst = (i, d);
-            }
-            err += d * d;
-            norm += (*w as f64).powi(2);
-        }
-        let rel = (err / norm.max(f64::MIN_POSITIVE)).sqrt();
-        println!("{name}: o relative error {rel:.3e} against the CPU");
-        let (i, _) = worst;
-        assert!(
-            rel <= tol_o,
-            "{name}: o relative error {rel:e} > {tol_o:e}; worst o[{i}] (row {}, dim {}): got {}, want {}",
-            i / LATENT,
-            i % LATENT,
-            got.o[i],
-            want_o[i]
-        );
-        for (i, (g, w)) in got.lse.iter().zip(want_lse).enumerate() {
-            let ok = if w.is_infinite() { g == w } else { (*g as f64 - *w as f64).abs() <= tol_lse };
-            assert!(ok, "{name}: lse[{i}] got {g}, want {w} (tolerance {tol_lse:e})");
-        }
+    /// GPU against CPU, per position: each is within its fixture tolerance of float64, so they are within
+    /// twice the widest fixture tolerance of each other.
+    fn gpu_vs_cpu_tolerance() -> Tolerance {
+        let all: Vec<Tolerance> = cases("mla_decode").iter().chain(&cases("tree_verify")).map(Tolerance::of).collect();
+        let widest = |f: fn(&Tolerance) -> f64| 2.0 * all.iter().map(f).fold(0.0, f64::max);
+        Tolerance { o_rel: widest(|t| t.o_rel), lse_abs: widest(|t| t.lse_abs) }
     }
 
     fn assert_same_output(name: &str, got: &MlaOutput, want: &MlaOutput) {
@@ -306,21 +367,30 @@ mod gpu {
         kimi_scale()
     }
 
+    fn gpu_decode(gpu: &kdtree_engine::cuda::Gpu, case: &Fixture) -> MlaOutput {
+        let x = MlaInputs::load(case);
+        gpu.mla_decode(&x.q, case.usize("H").unwrap(), &x.cache(), &x.seq_len, x.scale).unwrap()
+    }
+
+    fn gpu_tree_verify(gpu: &kdtree_engine::cuda::Gpu, case: &Fixture) -> MlaOutput {
+        let x = MlaInputs::load(case);
+        let (n, h) = (case.usize("N").unwrap(), case.usize("H").unwrap());
+        let vis = case.array::<u32>("visibility").unwrap();
+        gpu.tree_verify(&x.q, n, h, &x.cache(), &x.seq_len, &vis, x.scale).unwrap()
+    }
+
     #[test]
     fn gpu_matches_every_fixture() {
         let Some(gpu) = gpu() else { return };
-        for case in cases("mla_decode") {
-            let x = MlaInputs::load(&case);
-            let got = gpu.mla_decode(&x.q, case.usize("H").unwrap(), &x.cache(), &x.seq_len, x.scale).unwrap();
-            check_close(&format!("gpu {}", case.name()), &case, &got);
-        }
-        for case in cases("tree_verify") {
-            let x = MlaInputs::load(&case);
-            let (n, h) = (case.usize("N").unwrap(), case.usize("H").unwrap());
-            let vis = case.array::<u32>("visibility").unwrap();
-            let got = gpu.tree_verify(&x.q, n, h, &x.cache(), &x.seq_len, &vis, x.scale).unwrap();
-            check_close(&format!("gpu {}", case.name()), &case, &got);
-        }
+        matches_every_fixture("gpu", "mla_decode", |case| gpu_decode(gpu, case));
+        matches_every_fixture("gpu", "tree_verify", |case| gpu_tree_verify(gpu, case));
+    }
+
+    #[test]
+    fn gpu_rejects_every_mutant() {
+        let Some(gpu) = gpu() else { return };
+        rejects_every_mutant("gpu", "mla_decode", |case| gpu_decode(gpu, case));
+        rejects_every_mutant("gpu", "tree_verify", |case| gpu_tree_verify(gpu, case));
     }
 
     /// GPU vs CPU for one batch: decode when `budget` is 0, else tree verify over real trees.
@@ -345,7 +415,9 @@ mod gpu {
             )
         };
         let name = format!("{name}: H {heads} page {page_size} seq {seq:?} B {budget}");
-        assert_close(&name, &got, &want.o, &want.lse, TOL_O, TOL_LSE);
+        let tol = gpu_vs_cpu_tolerance();
+        let (o, lse) = check_mla(&got, &want.o, &want.lse, heads, tol).unwrap_or_else(|e| panic!("{name}: {e}"));
+        println!("{name}: worst o_rel {:.2e}, lse_abs {:.2e} against the CPU (tolerance {tol:?})", o.error, lse.error);
     }
 
     const PREFIXES: [i32; 11] = [0, 1, 63, 64, 65, 255, 256, 257, 511, 1500, 2900];

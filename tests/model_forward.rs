@@ -8,7 +8,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::rel_frobenius;
+use common::worst_rel_l2;
 use kdtree_engine::fixture::Fixture;
 use kdtree_engine::model::config::Config;
 use kdtree_engine::model::weights::Checkpoint;
@@ -19,9 +19,49 @@ use safetensors::{Dtype, SafeTensors};
 
 const CASES: [&str; 4] = ["hello", "capital", "story", "chat"];
 const NOQLORA_CASES: [&str; 3] = ["hello", "capital", "story"];
-/// Issue 5's bounds against the float32 transformers reference.
-const MAX_REL_FROBENIUS: f64 = 1e-2;
+/// Bound on each prompt position's relative L2 logits error against the float32 transformers reference:
+/// POSITION_TOL_MULTIPLE times the worst position error observed on a correct implementation (2.9e-3:
+/// the CPU backend's 2.84e-3 over every case of both checkpoints, with the CUDA backend within it; the gap
+/// to float32 transformers is the bf16 rounding of the activations that the kernels take as input). At this
+/// resolution a 0.1% error is invisible: the kernel checks (tests/mla.rs, tests/moe_int4.rs) hold that one.
+const POSITION_TOL_MULTIPLE: f64 = 2.0;
+const MAX_POSITION_REL: f64 = POSITION_TOL_MULTIPLE * 2.9e-3;
 const MIN_ARGMAX_AGREEMENT: f64 = 0.99;
+
+/// Logits `[rows, vocab]` against a reference, position by position: the worst relative L2 error and
+/// where, and the positions whose argmax agrees.
+struct LogitsCheck {
+    worst: common::Worst,
+    argmax_same: usize,
+    rows: usize,
+}
+
+impl LogitsCheck {
+    fn new(got: &[f32], want: &[f32], vocab: usize) -> Self {
+        assert_eq!(got.len(), want.len(), "logits shape");
+        let rows = want.len() / vocab;
+        let argmax_same = (0..rows)
+            .filter(|&t| argmax(&got[t * vocab..(t + 1) * vocab]) == argmax(&want[t * vocab..(t + 1) * vocab]))
+            .count();
+        LogitsCheck { worst: worst_rel_l2(got, want, vocab), argmax_same, rows }
+    }
+
+    /// None when within the bounds, else what is broken.
+    fn failure(&self) -> Option<String> {
+        let agreement = self.argmax_same as f64 / self.rows as f64;
+        (self.worst.error > MAX_POSITION_REL || agreement < MIN_ARGMAX_AGREEMENT).then(|| self.to_string())
+    }
+}
+
+impl std::fmt::Display for LogitsCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} positions, worst position {} relative error {:.3e} (bound {MAX_POSITION_REL:.1e}), argmax agreement {}/{}",
+            self.rows, self.worst.at, self.worst.error, self.argmax_same, self.rows
+        )
+    }
+}
 
 fn tiny_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny_model")
@@ -81,24 +121,40 @@ fn prompt_logits_match_transformers() {
             let prompt = ids(&f, "input_ids");
             let expected: Vec<f32> = f.array("logits").unwrap();
             let got = prefill(&model, &prompt);
-            assert_eq!(got.len(), expected.len(), "{label} {name}: logits shape");
-            let err = rel_frobenius(&got, &expected);
-            let rows = prompt.len();
-            let same = (0..rows)
-                .filter(|&t| argmax(&got[t * vocab..(t + 1) * vocab]) == argmax(&expected[t * vocab..(t + 1) * vocab]))
-                .count();
-            let agreement = same as f64 / rows as f64;
-            println!(
-                "{label} {name}: {rows} positions, relative Frobenius error {err:.3e}, argmax agreement {same}/{rows}"
-            );
-            assert!(
-                err <= MAX_REL_FROBENIUS,
-                "{label} {name}: relative Frobenius error {err:.3e} > {MAX_REL_FROBENIUS} (argmax {same}/{rows})"
-            );
-            assert!(
-                agreement >= MIN_ARGMAX_AGREEMENT,
-                "{label} {name}: argmax agreement {same}/{rows} < {MIN_ARGMAX_AGREEMENT} (error {err:.3e})"
-            );
+            let check = LogitsCheck::new(&got, &expected, vocab);
+            println!("{label} {name}: {check}");
+            assert!(check.failure().is_none(), "{label} {name}: {check}");
+        }
+    }
+}
+
+/// Contract violations applied to the transformers reference logits `[rows, vocab]`, each of which the
+/// per-position check must reject: one position's logits taken from the next position (a shifted position),
+/// every logit scaled by 1.01, and the last position's logits scaled by 1.01 (one bad row).
+fn logits_mutants(want: &[f32], vocab: usize) -> Vec<(&'static str, Vec<f32>)> {
+    let rows = want.len() / vocab;
+    let mut shifted = want.to_vec();
+    shifted[..vocab].copy_from_slice(&want[vocab..2 * vocab]);
+    let mut one_row = want.to_vec();
+    let last = rows - 1;
+    one_row[last * vocab..].iter_mut().for_each(|v| *v *= 1.01);
+    vec![("shifted_position", shifted), ("scaled_1%", want.iter().map(|v| v * 1.01).collect()), ("one_row_1%", one_row)]
+}
+
+#[test]
+fn prompt_logits_check_rejects_every_mutant() {
+    for (dir, cases) in checkpoints() {
+        let model = Model::load(&dir).unwrap();
+        let vocab = model.config().vocab_size;
+        let label = dir.file_name().unwrap().to_string_lossy().into_owned();
+        for &name in cases {
+            let f = case_in(&dir, name);
+            let got = prefill(&model, &ids(&f, "input_ids"));
+            for (m, want) in logits_mutants(&f.array::<f32>("logits").unwrap(), vocab) {
+                let check = LogitsCheck::new(&got, &want, vocab);
+                let why = check.failure().unwrap_or_else(|| panic!("{label} {name}: mutant {m} accepted: {check}"));
+                println!("{label} {name}: mutant {m} rejected: {why}");
+            }
         }
     }
 }
@@ -355,19 +411,19 @@ mod cuda {
                 let f = case_in(&dir, name);
                 let prompt = ids(&f, "input_ids");
                 let got = prefill(&gpu, &prompt);
-                let rows = prompt.len();
-                for (reference, want) in [("cpu", prefill(&cpu, &prompt)), ("transformers", f.array("logits").unwrap())]
-                {
-                    let err = rel_frobenius(&got, &want);
-                    let same = (0..rows)
-                        .filter(|&t| {
-                            argmax(&got[t * vocab..(t + 1) * vocab]) == argmax(&want[t * vocab..(t + 1) * vocab])
-                        })
-                        .count();
-                    println!("cuda vs {reference}, {label} {name}: relative Frobenius {err:.3e}, argmax {same}/{rows}");
-                    if err > MAX_REL_FROBENIUS || (same as f64) < MIN_ARGMAX_AGREEMENT * rows as f64 {
-                        failures
-                            .push(format!("{label} {name}: cuda vs {reference} error {err:.3e}, argmax {same}/{rows}"));
+                let transformers: Vec<f32> = f.array("logits").unwrap();
+                for (reference, want) in [("cpu", prefill(&cpu, &prompt)), ("transformers", transformers.clone())] {
+                    let check = LogitsCheck::new(&got, &want, vocab);
+                    println!("cuda vs {reference}, {label} {name}: {check}");
+                    if let Some(why) = check.failure() {
+                        failures.push(format!("{label} {name}: cuda vs {reference}: {why}"));
+                    }
+                }
+                for (m, want) in logits_mutants(&transformers, vocab) {
+                    let check = LogitsCheck::new(&got, &want, vocab);
+                    match check.failure() {
+                        Some(why) => println!("cuda {label} {name}: mutant {m} rejected: {why}"),
+                        None => failures.push(format!("{label} {name}: mutant {m} accepted: {check}")),
                     }
                 }
             }
@@ -375,7 +431,7 @@ mod cuda {
         // Every case is measured before any is judged, so a failure shows all the figures.
         assert!(
             failures.is_empty(),
-            "over {MAX_REL_FROBENIUS:e} or under {MIN_ARGMAX_AGREEMENT} argmax agreement: {failures:#?}"
+            "over {MAX_POSITION_REL:e} at a position, under {MIN_ARGMAX_AGREEMENT} argmax agreement, or a mutant accepted: {failures:#?}"
         );
     }
 

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{assert_bits, assert_same, cases, rel_frobenius, xorshift};
+use common::{assert_bits, assert_same, cases, mutants, worst_rel_l2, xorshift};
 use half::bf16;
 use kdtree_engine::cpu::moe_int4::{
     deinterleave_nibbles, interleave_nibbles, moe_int4, quantize, route, tile, untile, Experts, Int4Matrix, Int4Owned,
@@ -76,16 +76,47 @@ impl Weights {
     }
 }
 
+/// Checks `got` token by token (relative L2 error of each token's output row) against `want` within `tol`;
+/// returns the worst error, or a message naming the token.
+fn check_tokens(got: &[f32], want: &[f32], hidden: usize, tol: f64) -> Result<f64, String> {
+    if got.len() != want.len() {
+        return Err(format!("out length {}, want {}", got.len(), want.len()));
+    }
+    let worst = worst_rel_l2(got, want, hidden);
+    if worst.error > tol {
+        return Err(format!("token {} relative error {:e} > {tol:e}", worst.at, worst.error));
+    }
+    Ok(worst.error)
+}
+
+/// The fixture's output from `run`, checked against the reference token by token, and each of the
+/// fixture's mutants (contract violations applied to the reference) checked to be rejected.
+fn check_fixture(label: &str, case: &Fixture, got: &[f32]) {
+    let name = format!("{label} moe_int4/{}", case.name());
+    let (hidden, tol) = (case.usize("H").unwrap(), case.f64("tol_out_rel").unwrap());
+    let worst =
+        check_tokens(got, &case.array::<f32>("out").unwrap(), hidden, tol).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let observed = case.f64("observed_out_rel").unwrap();
+    println!("{name}: worst token out_rel {worst:.2e} (tolerance {tol:.2e}, f32 emulation {observed:.2e})");
+    let names = mutants(case);
+    assert!(!names.is_empty(), "{name}: no mutants in the fixture");
+    for m in names {
+        let want = case.array::<f32>(&format!("mutant_{m}_out")).unwrap();
+        match check_tokens(got, &want, hidden, tol) {
+            Ok(e) => panic!("{name}: mutant {m} accepted (worst token error {e:e})"),
+            Err(why) => println!("{name}: mutant {m} rejected: {why}"),
+        }
+    }
+}
+
 #[test]
-fn expert_output_matches_every_fixture() {
+fn expert_output_matches_every_fixture_and_rejects_its_mutants() {
     for case in cases("moe_int4") {
         let name = case.name();
         let weights = Weights::from_fixture(&case);
         let experts = weights.experts();
         let got = moe_int4(&bf16_array(&case, "x"), &fixture_routing(&case), &experts).unwrap();
-        let rel = rel_frobenius(&got, &case.array::<f32>("out").unwrap());
-        let tol = case.f64("tol_out_rel").unwrap();
-        assert!(rel <= tol, "{name}: out relative error {rel:e} > {tol:e}");
+        check_fixture("cpu", &case, &got);
         if let Ok(w13) = case.array::<f32>("w13") {
             let h = experts.hidden;
             let mut row = vec![0f32; h];
@@ -259,15 +290,12 @@ mod gpu {
     }
 
     #[test]
-    fn gpu_expert_output_matches_every_fixture() {
+    fn gpu_expert_output_matches_every_fixture_and_rejects_its_mutants() {
         let Some(gpu) = gpu() else { return };
         for case in cases("moe_int4") {
             let weights = Weights::from_fixture(&case);
             let got = gpu.moe_int4(&bf16_array(&case, "x"), &fixture_routing(&case), &weights.experts()).unwrap();
-            let rel = rel_frobenius(&got, &case.array::<f32>("out").unwrap());
-            let tol = case.f64("tol_out_rel").unwrap();
-            println!("{}: GPU out relative error {rel:.3e} (tolerance {tol:e})", case.name());
-            assert!(rel <= tol, "{}: GPU out relative error {rel:e} > {tol:e}", case.name());
+            check_fixture(&format!("gpu {LAYOUT:?}"), &case, &got);
         }
     }
 
@@ -308,7 +336,13 @@ mod gpu {
         (0..n).map(|_| ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 6.0).collect()
     }
 
-    /// GPU against the CPU reference: routing bit-exact, outputs within 5e-3 relative error.
+    /// GPU against the CPU on random data, per token. The fixtures avoid h values near a bf16 rounding
+    /// midpoint; random data does not, so here the two f32 implementations may round a few of a token's
+    /// k·I h values to neighbouring bf16 values. The bound sits below the smallest mutant of the fixtures
+    /// (out scaled by 1.001: 1e-3 on every token; h left unrounded: 1.5-2.7e-3) and above those flips.
+    const GPU_VS_CPU_TOKEN_REL: f64 = 5e-4;
+
+    /// GPU against the CPU reference: routing bit-exact, outputs per token within GPU_VS_CPU_TOKEN_REL.
     fn check_against_cpu(seed: u64, t: usize, e: usize, k: usize, h: usize, i: usize) {
         let gpu = gpu().expect("checked by the caller");
         let w = random_layer(seed, e, h, i);
@@ -322,8 +356,9 @@ mod gpu {
         assert_eq!(gpu_routing, cpu_routing, "routing (T {t}, E {e}, k {k})");
         let cpu = moe_int4(&x, &cpu_routing, &experts).unwrap();
         let got = gpu.moe_int4(&x, &gpu_routing, &experts).unwrap();
-        let rel = rel_frobenius(&got, &cpu);
-        assert!(rel <= 5e-3, "T {t} E {e} k {k} H {h} I {i}: GPU vs CPU relative error {rel:e}");
+        let worst = check_tokens(&got, &cpu, h, GPU_VS_CPU_TOKEN_REL)
+            .unwrap_or_else(|why| panic!("T {t} E {e} k {k} H {h} I {i}: GPU vs CPU {why}"));
+        println!("T {t} E {e} k {k} H {h} I {i}: GPU vs CPU worst token out_rel {worst:.2e}");
     }
 
     #[test]
@@ -433,7 +468,7 @@ mod gpu {
             assert_eq!(plan.routing(gpu).unwrap(), routing, "T {t}");
             let want = moe_int4(&x[..t * h], &routing, &experts).unwrap();
             let got = gpu.download(&out).unwrap();
-            assert!(rel_frobenius(&got[..t * h], &want) <= 5e-3, "T {t}");
+            check_tokens(&got[..t * h], &want, h, GPU_VS_CPU_TOKEN_REL).unwrap_or_else(|why| panic!("T {t}: {why}"));
         }
     }
 

@@ -75,15 +75,13 @@ pub fn gpu() -> Option<&'static kdtree_engine::cuda::Gpu> {
 }
 
 /// A `Gpu` of its own, for a test that captures its stream into a CUDA graph; `None` without a device
-/// (see [`gpu`]) or in a debug build, which synchronizes after every launch, something a capture does not
-/// allow. The shared `Gpu`'s stream serves the other test threads, and a capture of it would take in
-/// their launches and copies (replayed later into freed memory).
+/// (see [`gpu`]: a failure instead when `KDTREE_REQUIRE_GPU` is set). Works in every build profile: a
+/// debug build's synchronize after each launch is skipped while the stream is being captured
+/// (src/cuda/mod.rs `after_launch`). The shared `Gpu`'s stream serves the other test threads, and a
+/// capture of it would take in their launches and copies (replayed later into freed memory).
 #[cfg(feature = "cuda")]
 pub fn capture_gpu() -> Option<kdtree_engine::cuda::Gpu> {
     gpu()?;
-    if cfg!(debug_assertions) {
-        return None;
-    }
     Some(kdtree_engine::cuda::Gpu::new(0).expect("a CUDA device is present, so it must open"))
 }
 
@@ -98,4 +96,59 @@ pub fn replay_graph(gpu: &kdtree_engine::cuda::Gpu, replays: usize, record: impl
     for _ in 0..replays {
         graph.launch().expect("graph replay");
     }
+}
+
+/// The largest error of an array against its reference, and where it is.
+#[derive(Clone, Copy, Debug)]
+pub struct Worst {
+    /// Index of the position (or element) with the largest error.
+    pub at: usize,
+    /// That error; infinite where a reference with nothing in it (zero norm, -inf) is not matched exactly.
+    pub error: f64,
+}
+
+impl Worst {
+    fn of(errors: impl Iterator<Item = f64>) -> Worst {
+        let mut worst = Worst { at: 0, error: 0.0 };
+        for (at, e) in errors.enumerate() {
+            let e = if e.is_nan() { f64::INFINITY } else { e };
+            if e > worst.error {
+                worst = Worst { at, error: e };
+            }
+        }
+        worst
+    }
+}
+
+/// Worst per-position relative L2 error of `got` against `want`, both `[positions, width]` (float64 sums).
+/// A position whose reference is all zeros must be matched exactly. Panics on a length mismatch.
+pub fn worst_rel_l2(got: &[f32], want: &[f32], width: usize) -> Worst {
+    assert_eq!(got.len(), want.len(), "arrays of different lengths");
+    Worst::of(got.chunks(width).zip(want.chunks(width)).map(|(g, w)| {
+        let diff: f64 = g.iter().zip(w).map(|(g, w)| (*g as f64 - *w as f64).powi(2)).sum();
+        let norm: f64 = w.iter().map(|w| (*w as f64).powi(2)).sum();
+        if diff == 0.0 {
+            0.0
+        } else if norm == 0.0 {
+            f64::INFINITY
+        } else {
+            (diff / norm).sqrt()
+        }
+    }))
+}
+
+/// Worst absolute error of `got` against `want`; an infinite reference value must be matched exactly.
+pub fn worst_abs(got: &[f32], want: &[f32]) -> Worst {
+    assert_eq!(got.len(), want.len(), "arrays of different lengths");
+    Worst::of(got.iter().zip(want).map(|(g, w)| match (g, w) {
+        (g, w) if g == w => 0.0,
+        (_, w) if w.is_infinite() => f64::INFINITY,
+        (g, w) => (*g as f64 - *w as f64).abs(),
+    }))
+}
+
+/// The names of a fixture's mutants (`meta.json` key `mutants`; none when absent): deliberate contract
+/// violations applied to the reference, stored as `mutant_<name>_<array>.npy`, that the tolerances must reject.
+pub fn mutants(case: &Fixture) -> Vec<String> {
+    case.strings("mutants").unwrap_or_default()
 }
