@@ -1042,6 +1042,8 @@ def main():
     mla_fixtures.mla_cases()
     import moe_fixtures
     moe_fixtures.moe_cases()
+    import gemm_fixtures
+    gemm_fixtures.gemm_cases()
     print(f"self-checks passed ({BRUTE_FORCE_CHECKED[0]} trees also checked against brute force)")
 
 

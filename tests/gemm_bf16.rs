@@ -1,11 +1,60 @@
-//! The fixed-order bf16 GEMM (src/cpu/gemm_bf16.rs, kernels/gemm_bf16.cu): the CPU reference against exact
-//! integer arithmetic, the GPU against the CPU, batch invariance, strided batched operands, bad input.
+//! The fixed-order bf16 GEMM (src/cpu/gemm_bf16.rs, kernels/gemm_bf16.cu): both against the float64 numpy
+//! fixtures token by token (and each fixture's mutants rejected), against exact integer arithmetic, the GPU
+//! against the CPU, batch invariance, strided batched operands, bad input.
 
 mod common;
 
+use common::{cases, mutants, worst_rel_l2};
 use half::bf16;
 use kdtree_engine::cpu::gemm_bf16::gemm_bf16;
+use kdtree_engine::fixture::Fixture;
 use kdtree_engine::Error;
+
+/// Checks `y [T, N]` token by token (relative L2 error of each token's N outputs) within `tol`; returns the
+/// worst error, or a message naming the token.
+fn check_tokens(got: &[f32], want: &[f32], n: usize, tol: f64) -> Result<f64, String> {
+    if got.len() != want.len() {
+        return Err(format!("y length {}, want {}", got.len(), want.len()));
+    }
+    let worst = worst_rel_l2(got, want, n);
+    if worst.error > tol {
+        return Err(format!("token {} relative error {:e} > {tol:e}", worst.at, worst.error));
+    }
+    Ok(worst.error)
+}
+
+fn fixture_inputs(case: &Fixture) -> (Vec<bf16>, Vec<f32>, usize, usize) {
+    let w = case.array::<u16>("w").unwrap().into_iter().map(bf16::from_bits).collect();
+    (w, case.array("x").unwrap(), case.usize("N").unwrap(), case.usize("K").unwrap())
+}
+
+/// `run`'s output on every fixture within the case's tolerance of the float64 reference, and every mutant of
+/// the case (a contract violation applied to the reference) rejected by that tolerance.
+fn matches_every_fixture_and_rejects_its_mutants(label: &str, run: impl Fn(&[bf16], usize, usize, &[f32]) -> Vec<f32>) {
+    for case in cases("gemm_bf16") {
+        let name = format!("{label} gemm_bf16/{}", case.name());
+        let (w, x, n, k) = fixture_inputs(&case);
+        let got = run(&w, n, k, &x);
+        let tol = case.f64("tol_y_rel").unwrap();
+        let worst =
+            check_tokens(&got, &case.array::<f32>("y").unwrap(), n, tol).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let observed = case.f64("observed_y_rel").unwrap();
+        println!("{name}: worst token y_rel {worst:.2e} (tolerance {tol:.2e}, f32 emulation {observed:.2e})");
+        let names = mutants(&case);
+        assert!(!names.is_empty(), "{name}: no mutants in the fixture");
+        for m in names {
+            match check_tokens(&got, &case.array::<f32>(&format!("mutant_{m}_y")).unwrap(), n, tol) {
+                Ok(e) => panic!("{name}: mutant {m} accepted (worst token error {e:e})"),
+                Err(why) => println!("{name}: mutant {m} rejected: {why}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn cpu_matches_every_fixture_and_rejects_its_mutants() {
+    matches_every_fixture_and_rejects_its_mutants("cpu", |w, n, k, x| gemm_bf16(w, n, k, x).unwrap());
+}
 
 /// Weights and activations of small integers: every product and partial sum is exact in float32, so any
 /// summation order gives the integer result.
@@ -71,17 +120,28 @@ mod gpu {
     }
 
     #[test]
+    fn gpu_matches_every_fixture_and_rejects_its_mutants() {
+        let Some(gpu) = common::gpu() else { return };
+        matches_every_fixture_and_rejects_its_mutants("gpu", |w, n, k, x| gpu.gemm_bf16(w, n, k, x).unwrap());
+    }
+
+    /// GPU against CPU, per token: each is within its fixture tolerance of float64, so the two are within
+    /// twice the widest fixture tolerance of each other.
+    fn gpu_vs_cpu_tolerance() -> f64 {
+        2.0 * cases("gemm_bf16").iter().map(|c| c.f64("tol_y_rel").unwrap()).fold(0.0, f64::max)
+    }
+
+    #[test]
     fn gpu_matches_cpu_on_random_data() {
         let Some(gpu) = common::gpu() else { return };
         for (n, k, t) in SHAPES {
             let (w, x) = random_case(n, k, t, (3 * n + k + t) as u64);
             let want = gemm_bf16(&w, n, k, &x).unwrap();
             let got = gpu.gemm_bf16(&w, n, k, &x).unwrap();
-            let err = common::rel_frobenius(&got, &want);
             let ksplit = split_k(&DeviceWeight::upload(gpu, &w, 1, n, k).unwrap()).0;
-            println!("N {n} K {k} T {t} ({ksplit} K chunks): relative Frobenius error vs CPU {err:.2e}");
-            // x's bf16 hi + lo halves are within 2^-17 of x; the rest is float32 summation order.
-            assert!(err < 2e-5, "N {n} K {k} T {t}: error {err:.2e}");
+            let tol = gpu_vs_cpu_tolerance();
+            let err = check_tokens(&got, &want, n, tol).unwrap_or_else(|e| panic!("N {n} K {k} T {t}: {e}"));
+            println!("N {n} K {k} T {t} ({ksplit} K chunks): worst token error vs CPU {err:.2e} (tolerance {tol:.2e})");
         }
     }
 
@@ -122,8 +182,7 @@ mod gpu {
             let xh: Vec<f32> = (0..t).flat_map(|r| x[r * xs.row + h * x_head..][..k].iter().copied()).collect();
             let want = gemm_bf16(&w[h * n * k..(h + 1) * n * k], n, k, &xh).unwrap();
             let got: Vec<f32> = (0..t).flat_map(|r| y[r * ys.row + h * y_head..][..n].iter().copied()).collect();
-            let err = common::rel_frobenius(&got, &want);
-            assert!(err < 2e-5, "head {h}: error {err:.2e}");
+            check_tokens(&got, &want, n, gpu_vs_cpu_tolerance()).unwrap_or_else(|e| panic!("head {h}: {e}"));
         }
         assert!(y.chunks(y_head).all(|row| row[n..].iter().all(|&v| v == 0.0)), "wrote past a head's outputs");
     }
