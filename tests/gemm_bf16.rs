@@ -4,24 +4,11 @@
 
 mod common;
 
-use common::{cases, mutants, worst_rel_l2};
+use common::{cases, check_rows, mutants};
 use half::bf16;
 use kdtree_engine::cpu::gemm_bf16::gemm_bf16;
 use kdtree_engine::fixture::Fixture;
 use kdtree_engine::Error;
-
-/// Checks `y [T, N]` token by token (relative L2 error of each token's N outputs) within `tol`; returns the
-/// worst error, or a message naming the token.
-fn check_tokens(got: &[f32], want: &[f32], n: usize, tol: f64) -> Result<f64, String> {
-    if got.len() != want.len() {
-        return Err(format!("y length {}, want {}", got.len(), want.len()));
-    }
-    let worst = worst_rel_l2(got, want, n);
-    if worst.error > tol {
-        return Err(format!("token {} relative error {:e} > {tol:e}", worst.at, worst.error));
-    }
-    Ok(worst.error)
-}
 
 fn fixture_inputs(case: &Fixture) -> (Vec<bf16>, Vec<f32>, usize, usize) {
     let w = case.array::<u16>("w").unwrap().into_iter().map(bf16::from_bits).collect();
@@ -37,13 +24,13 @@ fn matches_every_fixture_and_rejects_its_mutants(label: &str, run: impl Fn(&[bf1
         let got = run(&w, n, k, &x);
         let tol = case.f64("tol_y_rel").unwrap();
         let worst =
-            check_tokens(&got, &case.array::<f32>("y").unwrap(), n, tol).unwrap_or_else(|e| panic!("{name}: {e}"));
+            check_rows(&got, &case.array::<f32>("y").unwrap(), n, tol).unwrap_or_else(|e| panic!("{name}: {e}"));
         let observed = case.f64("observed_y_rel").unwrap();
         println!("{name}: worst token y_rel {worst:.2e} (tolerance {tol:.2e}, f32 emulation {observed:.2e})");
         let names = mutants(&case);
         assert!(!names.is_empty(), "{name}: no mutants in the fixture");
         for m in names {
-            match check_tokens(&got, &case.array::<f32>(&format!("mutant_{m}_y")).unwrap(), n, tol) {
+            match check_rows(&got, &case.array::<f32>(&format!("mutant_{m}_y")).unwrap(), n, tol) {
                 Ok(e) => panic!("{name}: mutant {m} accepted (worst token error {e:e})"),
                 Err(why) => println!("{name}: mutant {m} rejected: {why}"),
             }
@@ -140,7 +127,7 @@ mod gpu {
             let got = gpu.gemm_bf16(&w, n, k, &x).unwrap();
             let ksplit = split_k(&DeviceWeight::upload(gpu, &w, 1, n, k).unwrap()).0;
             let tol = gpu_vs_cpu_tolerance();
-            let err = check_tokens(&got, &want, n, tol).unwrap_or_else(|e| panic!("N {n} K {k} T {t}: {e}"));
+            let err = check_rows(&got, &want, n, tol).unwrap_or_else(|e| panic!("N {n} K {k} T {t}: {e}"));
             println!("N {n} K {k} T {t} ({ksplit} K chunks): worst token error vs CPU {err:.2e} (tolerance {tol:.2e})");
         }
     }
@@ -182,7 +169,7 @@ mod gpu {
             let xh: Vec<f32> = (0..t).flat_map(|r| x[r * xs.row + h * x_head..][..k].iter().copied()).collect();
             let want = gemm_bf16(&w[h * n * k..(h + 1) * n * k], n, k, &xh).unwrap();
             let got: Vec<f32> = (0..t).flat_map(|r| y[r * ys.row + h * y_head..][..n].iter().copied()).collect();
-            check_tokens(&got, &want, n, gpu_vs_cpu_tolerance()).unwrap_or_else(|e| panic!("head {h}: {e}"));
+            check_rows(&got, &want, n, gpu_vs_cpu_tolerance()).unwrap_or_else(|e| panic!("head {h}: {e}"));
         }
         assert!(y.chunks(y_head).all(|row| row[n..].iter().all(|&v| v == 0.0)), "wrote past a head's outputs");
     }

@@ -110,24 +110,6 @@ fn prefill(model: &Model, prompt: &[u32]) -> Vec<f32> {
     model.forward(&mut cache, &[(seq, prompt)], Logits::All).unwrap()
 }
 
-#[test]
-fn prompt_logits_match_transformers() {
-    for (dir, cases) in checkpoints() {
-        let model = Model::load(&dir).unwrap();
-        let vocab = model.config().vocab_size;
-        let label = dir.file_name().unwrap().to_string_lossy().into_owned();
-        for &name in cases {
-            let f = case_in(&dir, name);
-            let prompt = ids(&f, "input_ids");
-            let expected: Vec<f32> = f.array("logits").unwrap();
-            let got = prefill(&model, &prompt);
-            let check = LogitsCheck::new(&got, &expected, vocab);
-            println!("{label} {name}: {check}");
-            assert!(check.failure().is_none(), "{label} {name}: {check}");
-        }
-    }
-}
-
 /// Contract violations applied to the transformers reference logits `[rows, vocab]`, each of which the
 /// per-position check must reject: one position's logits taken from the next position (a shifted position),
 /// every logit scaled by 1.01, and the last position's logits scaled by 1.01 (one bad row).
@@ -142,15 +124,19 @@ fn logits_mutants(want: &[f32], vocab: usize) -> Vec<(&'static str, Vec<f32>)> {
 }
 
 #[test]
-fn prompt_logits_check_rejects_every_mutant() {
+fn prompt_logits_match_transformers_and_reject_every_mutant() {
     for (dir, cases) in checkpoints() {
         let model = Model::load(&dir).unwrap();
         let vocab = model.config().vocab_size;
         let label = dir.file_name().unwrap().to_string_lossy().into_owned();
         for &name in cases {
             let f = case_in(&dir, name);
+            let expected: Vec<f32> = f.array("logits").unwrap();
             let got = prefill(&model, &ids(&f, "input_ids"));
-            for (m, want) in logits_mutants(&f.array::<f32>("logits").unwrap(), vocab) {
+            let check = LogitsCheck::new(&got, &expected, vocab);
+            println!("{label} {name}: {check}");
+            assert!(check.failure().is_none(), "{label} {name}: {check}");
+            for (m, want) in logits_mutants(&expected, vocab) {
                 let check = LogitsCheck::new(&got, &want, vocab);
                 let why = check.failure().unwrap_or_else(|| panic!("{label} {name}: mutant {m} accepted: {check}"));
                 println!("{label} {name}: mutant {m} rejected: {why}");

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{assert_bits, assert_same, cases, mutants, worst_rel_l2, xorshift};
+use common::{assert_bits, assert_same, cases, check_rows, mutants, xorshift};
 use half::bf16;
 use kdtree_engine::cpu::moe_int4::{
     deinterleave_nibbles, interleave_nibbles, moe_int4, quantize, route, tile, untile, Experts, Int4Matrix, Int4Owned,
@@ -76,33 +76,20 @@ impl Weights {
     }
 }
 
-/// Checks `got` token by token (relative L2 error of each token's output row) against `want` within `tol`;
-/// returns the worst error, or a message naming the token.
-fn check_tokens(got: &[f32], want: &[f32], hidden: usize, tol: f64) -> Result<f64, String> {
-    if got.len() != want.len() {
-        return Err(format!("out length {}, want {}", got.len(), want.len()));
-    }
-    let worst = worst_rel_l2(got, want, hidden);
-    if worst.error > tol {
-        return Err(format!("token {} relative error {:e} > {tol:e}", worst.at, worst.error));
-    }
-    Ok(worst.error)
-}
-
 /// The fixture's output from `run`, checked against the reference token by token, and each of the
 /// fixture's mutants (contract violations applied to the reference) checked to be rejected.
 fn check_fixture(label: &str, case: &Fixture, got: &[f32]) {
     let name = format!("{label} moe_int4/{}", case.name());
     let (hidden, tol) = (case.usize("H").unwrap(), case.f64("tol_out_rel").unwrap());
     let worst =
-        check_tokens(got, &case.array::<f32>("out").unwrap(), hidden, tol).unwrap_or_else(|e| panic!("{name}: {e}"));
+        check_rows(got, &case.array::<f32>("out").unwrap(), hidden, tol).unwrap_or_else(|e| panic!("{name}: {e}"));
     let observed = case.f64("observed_out_rel").unwrap();
     println!("{name}: worst token out_rel {worst:.2e} (tolerance {tol:.2e}, f32 emulation {observed:.2e})");
     let names = mutants(case);
     assert!(!names.is_empty(), "{name}: no mutants in the fixture");
     for m in names {
         let want = case.array::<f32>(&format!("mutant_{m}_out")).unwrap();
-        match check_tokens(got, &want, hidden, tol) {
+        match check_rows(got, &want, hidden, tol) {
             Ok(e) => panic!("{name}: mutant {m} accepted (worst token error {e:e})"),
             Err(why) => println!("{name}: mutant {m} rejected: {why}"),
         }
@@ -356,7 +343,7 @@ mod gpu {
         assert_eq!(gpu_routing, cpu_routing, "routing (T {t}, E {e}, k {k})");
         let cpu = moe_int4(&x, &cpu_routing, &experts).unwrap();
         let got = gpu.moe_int4(&x, &gpu_routing, &experts).unwrap();
-        let worst = check_tokens(&got, &cpu, h, GPU_VS_CPU_TOKEN_REL)
+        let worst = check_rows(&got, &cpu, h, GPU_VS_CPU_TOKEN_REL)
             .unwrap_or_else(|why| panic!("T {t} E {e} k {k} H {h} I {i}: GPU vs CPU {why}"));
         println!("T {t} E {e} k {k} H {h} I {i}: GPU vs CPU worst token out_rel {worst:.2e}");
     }
@@ -468,7 +455,7 @@ mod gpu {
             assert_eq!(plan.routing(gpu).unwrap(), routing, "T {t}");
             let want = moe_int4(&x[..t * h], &routing, &experts).unwrap();
             let got = gpu.download(&out).unwrap();
-            check_tokens(&got[..t * h], &want, h, GPU_VS_CPU_TOKEN_REL).unwrap_or_else(|why| panic!("T {t}: {why}"));
+            check_rows(&got[..t * h], &want, h, GPU_VS_CPU_TOKEN_REL).unwrap_or_else(|why| panic!("T {t}: {why}"));
         }
     }
 

@@ -152,3 +152,16 @@ pub fn worst_abs(got: &[f32], want: &[f32]) -> Worst {
 pub fn mutants(case: &Fixture) -> Vec<String> {
     case.strings("mutants").unwrap_or_default()
 }
+
+/// Checks `got` row by row (`[rows, width]`, the relative L2 error of each row, e.g. a token's outputs)
+/// against `want` within `tol`; returns the worst error, or a message naming the row.
+pub fn check_rows(got: &[f32], want: &[f32], width: usize, tol: f64) -> Result<f64, String> {
+    if got.len() != want.len() {
+        return Err(format!("length {}, want {}", got.len(), want.len()));
+    }
+    let worst = worst_rel_l2(got, want, width);
+    if worst.error > tol {
+        return Err(format!("token {} relative error {:e} > {tol:e}", worst.at, worst.error));
+    }
+    Ok(worst.error)
+}
