@@ -15,17 +15,11 @@ import shutil
 
 import numpy as np
 
-from gen_fixtures import F32, FIXTURES, bf16_bits_to_f32, f32_to_bf16_bits, round_to_bf16, write_case
+from gen_fixtures import (F32, F32_EPS, FIXTURES, TOL_MULTIPLE, bf16_bits_to_f32, f32_to_bf16_bits, mutant_meta,
+                          round_to_bf16, row_errors, seq_sum, write_case)
 
 KERNEL = "gemm_bf16"
-TOL_MULTIPLE = 8
-F32_EPS = 2.0 ** -24
 Y_SCALE = 1.001                 # the 0.1% output scale of the `y_scale` mutant
-
-
-def seq_sum(x, axis):
-    """A sequential f32 sum (one addition after another)."""
-    return np.cumsum(x, axis=axis, dtype=F32).take(-1, axis=axis)
 
 
 def gemm_ref(w_bits, x):
@@ -53,17 +47,12 @@ def gemm_f32_split_x(w_bits, x, chunk=128):
     return y
 
 
-def token_errors(y, ref):
-    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
-    return np.linalg.norm(y - ref, axis=1) / np.linalg.norm(ref, axis=1)
-
-
 def gemm_case(name, description, seed, N, K, T):
     rng = np.random.default_rng(seed)
     w = f32_to_bf16_bits(rng.uniform(-1, 1, (N, K)).astype(F32))
     x = rng.uniform(-2, 2, (T, K)).astype(F32)
     y = gemm_ref(w, x).astype(F32)
-    observed = max(token_errors(f(w, x), y).max() for f in (gemm_f32_in_order, gemm_f32_split_x))
+    observed = max(row_errors(f(w, x), y).max() for f in (gemm_f32_in_order, gemm_f32_split_x))
     tol = TOL_MULTIPLE * max(observed, F32_EPS)
     wrong_row = w.copy()
     wrong_row[N // 2] = w[N // 2 + 1]
@@ -74,12 +63,12 @@ def gemm_case(name, description, seed, N, K, T):
         "k_short": ("the last input column left out (K - 1 terms)", gemm_ref(w[:, :K - 1], x[:, :K - 1])),
     }
     for m, (_, got) in mutants.items():
-        assert (token_errors(got, y) > tol).any(), f"{name}: the tolerance accepts the {m} mutant"
+        assert (row_errors(got, y) > tol).any(), f"{name}: the tolerance accepts the {m} mutant"
     arrays = {"w": w, "x": x, "y": y}
     arrays.update({f"mutant_{m}_y": got.astype(F32) for m, (_, got) in mutants.items()})
     write_case(KERNEL, name, arrays,
                {"N": N, "K": K, "T": T, "tol_y_rel": tol, "observed_y_rel": observed, "tol_multiple": TOL_MULTIPLE,
-                "mutants": list(mutants), "mutant_descriptions": {m: d for m, (d, _) in mutants.items()},
+                **mutant_meta({m: d for m, (d, _) in mutants.items()}),
                 "seed": seed, "description": description + " w uniform(-1, 1) as bf16, x uniform(-2, 2) as f32."})
     return observed, tol
 

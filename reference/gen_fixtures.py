@@ -52,6 +52,29 @@ def bf16_bits_to_f32(bits):
     return (bits.astype(np.uint32) << np.uint32(16)).view(F32)
 
 
+# Float-kernel tolerances (mla_fixtures, moe_fixtures, gemm_fixtures): a case's tolerance is TOL_MULTIPLE times
+# the worst error of f32 emulations of a correct kernel, never below one f32 rounding (F32_EPS).
+TOL_MULTIPLE = 8
+F32_EPS = 2.0 ** -24
+
+
+def seq_sum(x, axis):
+    """A sequential f32 sum (one addition after another, as a kernel's accumulator does), not numpy's
+    pairwise one, which is more accurate than any kernel's order."""
+    return np.cumsum(x, axis=axis, dtype=F32).take(-1, axis=axis)
+
+
+def row_errors(got, ref):
+    """Relative L2 error of each row of [rows, width] arrays (the Rust tests' per-row check)."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
+
+
+def mutant_meta(descriptions):
+    """The meta.json keys listing a case's mutants: names in order, and name -> description."""
+    return {"mutants": list(descriptions), "mutant_descriptions": dict(descriptions)}
+
+
 def round_to_bf16(x):
     """f32 -> nearest bf16 value, returned widened as f32."""
     return bf16_bits_to_f32(f32_to_bf16_bits(x))

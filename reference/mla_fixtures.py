@@ -22,7 +22,8 @@ import shutil
 import numpy as np
 
 import gen_fixtures as gf
-from gen_fixtures import F32, FIXTURES, bf16_bits_to_f32, f32_to_bf16_bits, write_case
+from gen_fixtures import (F32, F32_EPS, FIXTURES, TOL_MULTIPLE, bf16_bits_to_f32, f32_to_bf16_bits, mutant_meta,
+                          seq_sum, write_case)
 
 KERNELS = ("mla_decode", "tree_verify")
 
@@ -167,20 +168,11 @@ def check_tree_as_decode(q, cache, block_table, seq_len, visibility, o, lse):
         assert np.abs(o2[0] - o[b, i]).max() <= 1e-12 and np.abs(lse2[0] - lse[b, i]).max() <= 1e-12
 
 
-
 # ----------------------------------------------------------------------------------------------------------
 # Tolerances from the observed error of a correct f32 implementation, and mutants the tolerances reject
 # ----------------------------------------------------------------------------------------------------------
 
-TOL_MULTIPLE = 8                # a tolerance is this multiple of the worst observed error of a correct f32 kernel
-F32_EPS = 2.0 ** -24            # unit roundoff of f32: no observed error is taken below it
 O_SCALE = 1.001                 # the 0.1% output scale of the `o_scale` mutant
-
-
-def seq_sum(x, axis):
-    """A sequential f32 sum (one addition after another, as a kernel's accumulator does), not numpy's
-    pairwise one, which is more accurate than any kernel's order."""
-    return np.cumsum(x, axis=axis, dtype=F32).take(-1, axis=axis)
 
 
 def emulate_f32(q, kv, bf16_p=False):
@@ -227,8 +219,7 @@ TOL_REPORT = []
 def tolerances(name, rows, o_ref, lse_ref):
     """The case's tolerances: TOL_MULTIPLE times the worst per-position error of the f32 emulation against the
     stored float32 reference (at least one f32 rounding of o, one ulp of the case's largest |lse|).
-    rows: (q [R, 576], kv [S, 576]) float64 in the order of o_ref.reshape(-1, R, 512). Returns the meta keys
-    and the emulation's outputs (for the p_bf16 mutant)."""
+    rows: (q [R, 576], kv [S, 576]) float64 in the order of o_ref.reshape(-1, R, 512). Returns the meta keys."""
     emulated = [emulate_f32(q, kv) for q, kv in rows]
     o = np.stack([g[0] for g in emulated])
     lse = np.stack([g[1] for g in emulated])
@@ -256,7 +247,7 @@ def mutant_arrays(name, mutants, keys, o_ref, lse_ref):
     for m, (_, o, lse) in mutants.items():
         assert rejected(keys, o, lse, o_ref, lse_ref), f"{name}: the tolerances accept the {m} mutant"
         arrays[f"mutant_{m}_o"], arrays[f"mutant_{m}_lse"] = o.astype(F32), lse.astype(F32)
-    return arrays, {"mutants": list(mutants), "mutant_descriptions": {m: d for m, (d, _, _) in mutants.items()}}
+    return arrays, mutant_meta({m: d for m, (d, _, _) in mutants.items()})
 
 
 def swap_heads(o, lse):
@@ -338,9 +329,7 @@ def decode_case(name, description, seed, H, seq_len, page_size, spare_pages=0, m
     arrays = {"q": q, "cache": cache, "block_table": block_table, "seq_len": seq, "o": o, "lse": lse}
     if mutants:
         wrong = mla_decode_ref(q, wrong_value_row(cache, block_table, int(seq[0]) - 1, rng), block_table, seq)
-        shorter = np.maximum(seq - 1, 0)
         dropped = [attend(q64, kv[:len(kv) - 1]) for q64, kv in rows]
-        assert [len(kv) - 1 for _, kv in rows] == shorter.tolist()
         dropped = (np.stack([d[0] for d in dropped]), np.stack([d[1] for d in dropped]))
         more, mkeys = mutant_arrays(name, common_mutants(rows, o, lse, wrong, dropped), keys, o, lse)
         arrays.update(more)
@@ -391,7 +380,7 @@ def tree_case(name, description, seed, H, budget, prefix, trees, page_size, spar
     arrays = {"q": q, "cache": cache, "block_table": block_table, "seq_len": seq, "visibility": visibility,
               "o": o, "lse": lse}
     if mutants:
-        wrong_slot = max(int(seq[0]) - 1, int(seq[0]))
+        wrong_slot = max(int(seq[0]) - 1, 0)    # the last prefix slot, else the root's slot
         wrong = tree_verify_ref(q, wrong_value_row(cache, block_table, wrong_slot, rng), block_table, seq,
                                 visibility)
         dropped = tree_verify_ref(q, cache, block_table, seq, without_diagonal(visibility))

@@ -38,7 +38,8 @@ import shutil
 
 import numpy as np
 
-from gen_fixtures import F32, FIXTURES, bf16_bits_to_f32, f32_to_bf16_bits, round_to_bf16, write_case
+from gen_fixtures import (F32, F32_EPS, FIXTURES, TOL_MULTIPLE, bf16_bits_to_f32, f32_to_bf16_bits, mutant_meta,
+                          round_to_bf16, row_errors, seq_sum, write_case)
 
 KERNELS = ("moe_routing", "moe_int4")
 
@@ -254,16 +255,9 @@ def moe_naive(x_bits, ids, weights, w13, w2):
     return out
 
 
-TOL_MULTIPLE = 8                # a tolerance is this multiple of the worst observed error of correct f32 kernels
-F32_EPS = 2.0 ** -24            # unit roundoff of f32: no observed error is taken below it
 OUT_SCALE = 1.001               # the 0.1% output scale of the `out_scale` mutant
 TIE_MARGIN = 2.0 ** -16         # h this close (relative) to a bf16 midpoint counts as a rounding near-tie
 SCALE_BINADE = 2.0 ** -7        # INT4 group scales are drawn from [2^-7, 2^-6) (see int4_case)
-
-
-def seq_sum(x, axis):
-    """A sequential f32 sum (one addition after another, as a kernel's accumulator does)."""
-    return np.cumsum(x, axis=axis, dtype=F32).take(-1, axis=axis)
 
 
 def grouped_dot(x, packed, scale_bits):
@@ -301,12 +295,6 @@ def moe_emulate_f32(x_bits, ids, weights, w13, w2, packed=None, round_h=True, bf
             y = seq_sum(h[None, :] * W2[e], axis=1) if packed is None else grouped_dot(h, packed[2][e], packed[3][e])
             out[t] = out[t] + weights[t, slot] * y
     return out
-
-
-def token_errors(out, ref):
-    """Relative L2 error of each token's output row (the Rust tests' per-token check)."""
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return np.linalg.norm(out - ref, axis=1) / np.linalg.norm(ref, axis=1)
 
 
 def near_ties(h64, margin=TIE_MARGIN):
@@ -583,13 +571,13 @@ def int4_case(name, description, seed, T, H, I, E, k, empty=(), zero_groups=True
     naive = moe_naive(x, ids, weights, w13, w2)
     assert np.abs(out64 - naive).max() <= 1e-12, np.abs(out64 - naive).max()
     out = out64.astype(F32)
-    observed = max(token_errors(moe_emulate_f32(x, ids, weights, w13, w2, packed=p), out).max()
+    observed = max(row_errors(moe_emulate_f32(x, ids, weights, w13, w2, packed=p), out).max()
                    for p in (None, packed))
     tol = TOL_MULTIPLE * max(observed, F32_EPS)
     mutants = moe_mutants(x, ids, weights, w13, w2, out)
     for m, (_, got) in mutants.items():
-        assert (token_errors(got, out) > tol).any(), f"{name}: the tolerance accepts the {m} mutant"
-    TOL_REPORT.append((name, observed, tol, {m: token_errors(got, out).max() for m, (_, got) in mutants.items()}))
+        assert (row_errors(got, out) > tol).any(), f"{name}: the tolerance accepts the {m} mutant"
+    TOL_REPORT.append((name, observed, tol, {m: row_errors(got, out).max() for m, (_, got) in mutants.items()}))
     for e in empty:
         assert offsets[e] == offsets[e + 1]
     no_token = empty_experts(offsets)
@@ -605,8 +593,7 @@ def int4_case(name, description, seed, T, H, I, E, k, empty=(), zero_groups=True
         arrays["w13"], arrays["w2"] = w13.astype(F32), w2.astype(F32)
     write_case("moe_int4", name, arrays,
                {"T": T, "H": H, "I": I, "E": E, "k": k, "tol_out_rel": tol, "observed_out_rel": observed,
-                "tol_multiple": TOL_MULTIPLE, "mutants": list(mutants),
-                "mutant_descriptions": {m: d for m, (d, _) in mutants.items()}, "seed": seed,
+                "tol_multiple": TOL_MULTIPLE, **mutant_meta({m: d for m, (d, _) in mutants.items()}), "seed": seed,
                 "description": description})
 
 
