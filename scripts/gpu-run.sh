@@ -69,13 +69,8 @@ sanitize_one() {
     name=$(basename "$t")
     log="$logs/$tool-$name.log"
     start=$SECONDS
-    # timeout (duration 0: none) runs the sanitizer and the test binary in a process group of their own
-    # and passes on a TERM it gets, which the trap sends it when on_signal ends this job.
     timeout --kill-after=30 "${SANITIZE_TIMEOUT:-0}" \
-        compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" "$@" >"$log" 2>&1 &
-    sanitizer_pid=$!
-    trap 'kill "$sanitizer_pid" 2>/dev/null; note "$tool $name: stopped before it ended"; exit 143' TERM
-    wait "$sanitizer_pid"
+        compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" "$@" >"$log" 2>&1
     rc=$?
     if grep -q "terminated before first instrumented API call" "$log"; then
         note "$tool $name: no CUDA calls in the selected tests (CPU-only binary)"
@@ -117,16 +112,6 @@ save_regressions() {
         fi
     done
 }
-# Stopped from outside (a time limit): end this script's sanitizer jobs, then bring back the regressions.
-on_signal() {
-    jobs -p | xargs -r kill 2>/dev/null
-    wait
-    note "stopped by a signal (exit $1)"
-    save_regressions final
-    exit "$1"
-}
-trap 'on_signal 143' TERM
-trap 'on_signal 130' INT
 
 # Nsight Compute on one launch of each bandwidth-bound kernel at the headline shapes.
 # `profile:moe` profiles only the MoE GEMMs.
