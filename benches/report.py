@@ -215,7 +215,7 @@ def moe_table(res, root, group):
               "same experts dequantized to bf16, two GEMMs per active expert (GEMMs only, a lower bound on that "
               "path). Times are medians of criterion's samples, as in every table; `mean` is the samples' mean "
               "against the copy's mean, which also counts slow samples (such as those of the clock dip about a "
-              "second into a short run, BENCHMARKS.md session 23).", "",
+              "second into a short run, notes/benchmarks-history-2026-11.md, session 23).", "",
               "| T | expert MB | GPU experts | GB/s | % copy | mean | % copy, mean | GPU step | cuBLAS bf16 "
               "| vs cuBLAS | CPU | CPU vs GPU |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -14,7 +14,7 @@
 #        batch-invariance tests (matches_every_fixture, batch_invariant) of every binary; sanitize:NAME
 #        every test of gpu-pack/tests/NAME
 #        BENCH_ARGS="..." adds criterion options to every bench, e.g. BENCH_ARGS="--warm-up-time 2
-#        --measurement-time 8" for the sustained runs of BENCHMARKS.md session 23
+#        --measurement-time 8" for the sustained runs of notes/benchmarks-history-2026-11.md, session 23
 #        (default: tests sanitize bench)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1

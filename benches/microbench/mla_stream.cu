@@ -9,7 +9,7 @@
 // CTAs read the same chunk, as the m-tiles of a tree prefix (33 at N 65, H 8) or of an H 64 decode (4)
 // do: one of them brings the rows from DRAM, the others find them in L2, so it measures what the L2
 // feeds the SMs in this pattern.
-// Standalone, for the GPU machine (BENCHMARKS.md, sessions 17 and 21):
+// Standalone, for the GPU machine (notes/benchmarks-history-2026-11.md, sessions 17 and 21):
 //   nvcc -arch=sm_90 -O3 -std=c++17 mla_stream.cu -o mla_stream && ./mla_stream [private|shared]
 #include <cstdio>
 #include <cstdint>

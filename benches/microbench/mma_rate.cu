@@ -3,7 +3,7 @@
 // roofline (benches/mla.rs) divides FLOPs by a cuBLAS GEMM's rate, which on sm_90 uses wgmma; this gives
 // the ceiling a kernel built on mma.sync can reach instead. Each warp runs CHAINS independent accumulator
 // chains over operands held in registers (no memory traffic), 1 to 4 blocks of 8 warps per SM. Standalone,
-// for the GPU machine (BENCHMARKS.md, session 14):
+// for the GPU machine (notes/benchmarks-history-2026-11.md, session 14):
 //   nvcc -arch=sm_90 -O3 -std=c++17 mma_rate.cu -o mma_rate && ./mma_rate   (from benches/microbench)
 #include <cstdint>
 #include <cstdio>

@@ -22,7 +22,8 @@
 // without the down GEMM after them) on the same 8-expert grid and bytes, so that the difference from the
 // copies-only rows is what their dequantization, MMAs and epilogue cost there; and their chunk loops alone
 // (BlockShape::pass, the partials left in shared memory: no reduction, SiLU, h stores or release).
-// GB/s counts packed weights and scales. Standalone, for the GPU machine (BENCHMARKS.md, sessions 20-21):
+// GB/s counts packed weights and scales. Standalone, for the GPU machine
+// (notes/benchmarks-history-2026-11.md, sessions 20-21):
 //   nvcc -arch=sm_90 -O3 -std=c++17 moe_stream.cu -o moe_stream && ./moe_stream
 #include <cstdint>
 

@@ -2,7 +2,8 @@
 // layout) cap DRAM throughput? Each warp streams two 16-row tiles' 1 KB chunk pieces plus 128 B of scales
 // through a 4-stage cp.async ring in shared memory, 8 warps a block and two blocks an SM, as the GEMMs do,
 // with an optional chain of FMAs per piece standing in for the math. Compared with cudaMemcpy (read +
-// write) and a plain coalesced read. Standalone, for the GPU machine (BENCHMARKS.md, session 12):
+// write) and a plain coalesced read. Standalone, for the GPU machine
+// (notes/benchmarks-history-2026-11.md, session 12):
 //   nvcc -arch=sm_90 -O3 -std=c++17 read_pattern.cu -o read_pattern && ./read_pattern
 #include <cstdint>
 
