@@ -1,6 +1,7 @@
 //! Autoregressive generation from a checkpoint directory, on the CPU or (with `--features cuda` and
-//! `--gpu`) the CUDA backend: greedy, or temperature / top-p sampling with a seed. Prints the text as it
-//! is generated, then tokens per second.
+//! `--gpu`) the CUDA backend: greedy (the argmax taken where the model runs), or temperature / top-p
+//! sampling with a seed. Prints the text as it is generated, then the load time, the time to the first
+//! token and the decode rate. Bad options or a prompt that does not fit the context are errors that say so.
 //!
 //! ```text
 //! cargo run --release --example generate -- --prompt "The capital of France is"
@@ -11,10 +12,12 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
-use kdtree_engine::model::{ChatMessage, Logits, Model, Tokenizer};
+use kdtree_engine::model::backend::Backend;
+use kdtree_engine::model::{ChatMessage, KvCache, Logits, Model, Tokenizer};
 use kdtree_engine::{Error, Result};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -35,7 +38,7 @@ struct Args {
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     temperature: f32,
     /// Nucleus sampling: keep the smallest set of tokens whose probability reaches this.
     #[arg(long, default_value_t = 1.0)]
@@ -48,50 +51,95 @@ struct Args {
     gpu: bool,
 }
 
-/// The model on the backend `--gpu` asks for.
-fn load(args: &Args) -> Result<Model> {
+/// Checks the sampling options; an error names the bad one.
+fn check_args(args: &Args) -> Result<()> {
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        return Err(Error::param("--temperature", args.temperature, "must be a finite number >= 0 (0 is greedy)"));
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        return Err(Error::param("--top-p", args.top_p, "must be in (0, 1]"));
+    }
+    if args.max_tokens == 0 {
+        return Err(Error::param("--max-tokens", 0, "must be at least 1"));
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Loads the model on the backend `--gpu` asks for and generates.
+fn run(args: &Args) -> Result<()> {
+    check_args(args)?;
+    let start = Instant::now();
     if !args.gpu {
-        return Model::load(&args.model);
+        let model = Model::load(&args.model)?;
+        return generate(args, model, start);
     }
     #[cfg(feature = "cuda")]
     {
         let gpu = kdtree_engine::cuda::Gpu::new(0)?;
-        Model::load_on(&args.model, Box::new(kdtree_engine::model::ops::CudaOps::new(gpu)))
+        let model = Model::load_on(&args.model, kdtree_engine::cuda::backend::CudaBackend::new(gpu)?)?;
+        generate(args, model, start)
     }
     #[cfg(not(feature = "cuda"))]
     Err(Error::param("--gpu", true, "this build has no CUDA backend: build with `--features cuda`"))
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    if args.temperature < 0.0 || !(args.top_p > 0.0 && args.top_p <= 1.0) {
-        return Err(Error::param(
-            "temperature / top_p",
-            format!("{} / {}", args.temperature, args.top_p),
-            "temperature must be >= 0 and top_p in (0, 1]",
-        ));
-    }
-    let tokenizer = Tokenizer::from_dir(&args.model)?;
-    let model = load(&args)?;
+/// The prompt's token ids, checked against the model's context.
+fn encode_prompt(args: &Args, tokenizer: &Tokenizer, context: usize) -> Result<(String, Vec<u32>)> {
     let text = if args.chat {
         tokenizer.apply_chat_template(&[ChatMessage::new("user", &args.prompt)], true)?
     } else {
         args.prompt.clone()
     };
     let prompt = tokenizer.encode(&text, false)?;
-    let mut cache =
-        model.new_cache((prompt.len() + args.max_tokens).div_ceil(64) + 1, 64, prompt.len() + args.max_tokens)?;
+    if prompt.is_empty() {
+        return Err(Error::param("--prompt", "\"\"", "the prompt has no tokens; give at least one"));
+    }
+    if prompt.len() + args.max_tokens > context {
+        return Err(Error::param(
+            "--max-tokens",
+            args.max_tokens,
+            format!("the prompt's {} tokens plus max tokens exceed the model's context of {context}", prompt.len()),
+        ));
+    }
+    Ok((text, prompt))
+}
+
+/// Generates from `model` (loading began at `start`), printing the text as it comes, then the timings.
+fn generate<B: Backend>(args: &Args, model: Model<B>, start: Instant) -> Result<()> {
+    let tokenizer = Tokenizer::from_dir(&args.model)?;
+    let load = start.elapsed();
+    let (text, prompt) = encode_prompt(args, &tokenizer, model.config().max_position_embeddings)?;
+    let len = prompt.len() + args.max_tokens;
+    let mut cache = model.new_cache(len.div_ceil(64) + 1, 64, len)?;
     let seq = cache.add_sequence();
     let mut rng = StdRng::seed_from_u64(args.seed);
     print!("{text}");
-
-    let start = Instant::now();
-    let mut logits = model.forward(&mut cache, &[(seq, &prompt)], Logits::Last)?;
-    let prefill = start.elapsed();
+    let greedy = args.temperature == 0.0;
+    // Greedy steps read back only the argmax token; sampling reads the logits.
+    let mut step = |cache: &mut KvCache<B>, tokens: &[u32]| -> Result<u32> {
+        if greedy {
+            return Ok(model.forward_argmax(cache, &[(seq, tokens)], Logits::Last)?[0]);
+        }
+        let logits = model.forward(cache, &[(seq, tokens)], Logits::Last)?;
+        Ok(pick(&logits, args.temperature, args.top_p, &mut rng))
+    };
+    let begin = Instant::now();
+    let mut next = step(&mut cache, &prompt)?;
+    let first_token = begin.elapsed();
     let mut generated: Vec<u32> = Vec::new();
     let mut shown = 0;
-    while generated.len() < args.max_tokens {
-        let next = pick(&logits, args.temperature, args.top_p, &mut rng);
+    loop {
         generated.push(next);
         // Decode everything so far and print the new suffix; a token that ends inside a UTF-8 character
         // decodes to U+FFFD until the character is complete, so wait for it.
@@ -101,21 +149,20 @@ fn main() -> Result<()> {
             std::io::stdout().flush().ok();
             shown = so_far.len();
         }
-        if Some(next) == tokenizer.eos_token_id() {
+        if generated.len() == args.max_tokens || Some(next) == tokenizer.eos_token_id() {
             break;
         }
-        logits = model.forward(&mut cache, &[(seq, &[next])], Logits::Last)?;
+        next = step(&mut cache, &[next])?;
     }
-    let decode = start.elapsed() - prefill;
+    let decode = begin.elapsed() - first_token;
     println!();
     eprintln!(
-        "prompt {} tokens in {:.2?} ({:.1} tok/s), generated {} tokens in {:.2?} ({:.1} tok/s)",
+        "{}: load {load:.2?}; prompt {} tokens, first token after {first_token:.2?}; {} more tokens in \
+         {decode:.2?} ({:.1} tok/s)",
+        model.backend().name(),
         prompt.len(),
-        prefill,
-        prompt.len() as f64 / prefill.as_secs_f64(),
-        generated.len(),
-        decode,
-        generated.len() as f64 / decode.as_secs_f64()
+        generated.len() - 1,
+        (generated.len() - 1) as f64 / decode.as_secs_f64()
     );
     Ok(())
 }

@@ -8,7 +8,8 @@ from the Rust or CUDA code, so that the three implementations triangulate each o
 
 deletes and rewrites fixtures/{expd,topk,tree_build,greedy_accept,kv_compact}/<case>/ (one .npy per array plus a
 meta.json), then fixtures/{mla_decode,tree_verify}/<case>/ through mla_fixtures.py (DESIGN.md section 4.3) and
-fixtures/{moe_routing,moe_int4}/<case>/ through moe_fixtures.py (DESIGN.md section 4.4).
+fixtures/{moe_routing,moe_int4}/<case>/ through moe_fixtures.py (DESIGN.md section 4.4), and fixtures/rowops/<case>/
+through rowops_fixtures.py (the bit-exact row operations of src/cpu/rowops.rs's contract).
 Every case draws from its own np.random.default_rng(seed), so the same command gives the same bytes.
 Self-checks (assertions) run on every invocation.
 """
@@ -1067,6 +1068,8 @@ def main():
     moe_fixtures.moe_cases()
     import gemm_fixtures
     gemm_fixtures.gemm_cases()
+    import rowops_fixtures
+    rowops_fixtures.rowops_cases()
     print(f"self-checks passed ({BRUTE_FORCE_CHECKED[0]} trees also checked against brute force)")
 
 

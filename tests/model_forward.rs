@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use common::worst_rel_l2;
 use kdtree_engine::fixture::Fixture;
+use kdtree_engine::model::backend::Backend;
 use kdtree_engine::model::config::Config;
 use kdtree_engine::model::weights::Checkpoint;
 use kdtree_engine::model::{KvCache, Logits, Model, Tokenizer};
@@ -88,7 +89,7 @@ fn ids(f: &Fixture, key: &str) -> Vec<u32> {
     f.array::<i32>(key).unwrap().into_iter().map(|v| v as u32).collect()
 }
 
-fn cache(model: &Model) -> KvCache {
+fn cache<B: Backend>(model: &Model<B>) -> KvCache<B> {
     model.new_cache(64, 16, 256).unwrap()
 }
 
@@ -104,7 +105,7 @@ fn argmax(row: &[f32]) -> u32 {
 }
 
 /// Prefill of the whole prompt in one call, logits at every position.
-fn prefill(model: &Model, prompt: &[u32]) -> Vec<f32> {
+fn prefill<B: Backend>(model: &Model<B>, prompt: &[u32]) -> Vec<f32> {
     let mut cache = cache(model);
     let seq = cache.add_sequence();
     model.forward(&mut cache, &[(seq, prompt)], Logits::All).unwrap()
@@ -145,22 +146,22 @@ fn prompt_logits_match_transformers_and_reject_every_mutant() {
     }
 }
 
-/// `n` greedy tokens after `prompt`: the prompt in one prefill, then one decode step per token.
-fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+/// `n` greedy tokens after `prompt`: the prompt in one prefill, then one decode step per token, each
+/// token the backend's own argmax (only the token ids come back).
+fn greedy<B: Backend>(model: &Model<B>, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut cache = cache(model);
     let seq = cache.add_sequence();
-    let mut logits = model.forward(&mut cache, &[(seq, prompt)], Logits::Last).unwrap();
+    let mut next = model.forward_argmax(&mut cache, &[(seq, prompt)], Logits::Last).unwrap()[0];
     let mut generated = Vec::new();
     while generated.len() < n {
-        let next = argmax(&logits);
         generated.push(next);
-        logits = model.forward(&mut cache, &[(seq, &[next])], Logits::Last).unwrap();
+        next = model.forward_argmax(&mut cache, &[(seq, &[next])], Logits::Last).unwrap()[0];
     }
     generated
 }
 
 /// Every checkpoint's 32-token greedy continuations on `load`'s backend equal transformers'.
-fn check_greedy(backend: &str, load: impl Fn(&Path) -> Model) {
+fn check_greedy<B: Backend>(backend: &str, load: impl Fn(&Path) -> Model<B>) {
     for (dir, cases) in checkpoints() {
         let model = load(&dir);
         let label = dir.file_name().unwrap().to_string_lossy().into_owned();
@@ -213,7 +214,7 @@ fn the_second_checkpoints_prompts_are_the_tokenizer_ids() {
 
 /// A prompt's logits alone and inside a batch of 8 prompts are bit-identical, for prefill and for one
 /// decode step of all eight sequences.
-fn check_batch_invariance(model: &Model) {
+fn check_batch_invariance<B: Backend>(model: &Model<B>) {
     let mut prompts: Vec<Vec<u32>> = CASES.iter().map(|n| ids(&case(n), "input_ids")).collect();
     // Four more prompts of other lengths, cut from the fixtures' prompts.
     let extra: Vec<Vec<u32>> = prompts.iter().map(|p| p[..p.len().div_ceil(2)].to_vec()).collect();
@@ -252,7 +253,7 @@ fn logits_are_batch_invariant() {
 }
 
 /// Prefill of a prompt gives the bits of feeding it one token per step.
-fn check_prefill_equals_decoding(model: &Model) {
+fn check_prefill_equals_decoding<B: Backend>(model: &Model<B>) {
     let prompt = ids(&case("story"), "input_ids");
     let all = prefill(model, &prompt);
     let mut cache = cache(model);
@@ -371,16 +372,16 @@ fn an_unsupported_config_value_is_named() {
     }
 }
 
-/// The CUDA backend (kernels/gemm_bf16.cu, mla.cu, moe_int4.cu) against the CPU backend and transformers.
+/// The CUDA backend (every step on the device) against the CPU backend and transformers.
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
+    use kdtree_engine::cuda::backend::CudaBackend;
     use kdtree_engine::cuda::Gpu;
-    use kdtree_engine::model::ops::CudaOps;
 
-    fn cuda_model(dir: &Path) -> Model {
+    fn cuda_model(dir: &Path) -> Model<CudaBackend> {
         let gpu = Gpu::new(0).expect("a CUDA device is present, so it must open");
-        Model::load_on(dir, Box::new(CudaOps::new(gpu))).unwrap()
+        Model::load_on(dir, CudaBackend::new(gpu).unwrap()).unwrap()
     }
 
     #[test]

@@ -2,11 +2,13 @@
 //! run in parallel over rows with rayon; each row's arithmetic is sequential and fixed, so the results
 //! do not depend on the thread count.
 
+pub mod backend;
 pub mod gemm_bf16;
 pub mod greedy_accept;
 pub mod kv_compact;
 pub mod mla;
 pub mod moe_int4;
+pub mod rowops;
 pub mod topk;
 pub mod tree_build;
 

@@ -7,11 +7,13 @@
 //! error check, so a faulting kernel is reported at its launch site; while the stream is being captured
 //! into a CUDA graph (where a synchronize is not allowed) only the capture's status is checked.
 
+pub mod backend;
 pub mod gemm_bf16;
 pub mod greedy_accept;
 pub mod kv_compact;
 pub mod mla;
 pub mod moe_int4;
+pub mod rowops;
 pub mod topk;
 pub mod tree_build;
 
@@ -122,6 +124,7 @@ struct Kernels {
     gemm_bf16: [CudaFunction; 3],
     gemm_reduce: CudaFunction,
     gemm_split_bf16: CudaFunction,
+    rowops: rowops::Kernels,
 }
 
 impl Kernels {
@@ -157,6 +160,7 @@ impl Kernels {
             gemm_bf16: [f(gemm_bf16::SHAPES[0].name)?, f(gemm_bf16::SHAPES[1].name)?, f(gemm_bf16::SHAPES[2].name)?],
             gemm_reduce: f("gemm_reduce")?,
             gemm_split_bf16: f("gemm_split_bf16")?,
+            rowops: rowops::Kernels::load(module)?,
         })
     }
 

@@ -51,6 +51,8 @@ pub struct Config {
     pub moe_intermediate_size: usize,
     /// Decoder layers.
     pub num_hidden_layers: usize,
+    /// The longest sequence the model is made for (transformers' default 4096 when absent).
+    pub max_position_embeddings: usize,
     /// Attention heads.
     pub num_attention_heads: usize,
     /// Query low-rank dimension, `None` for a full-rank query projection.
@@ -97,6 +99,7 @@ pub struct Config {
 struct Raw {
     vocab_size: Option<usize>,
     hidden_size: Option<usize>,
+    max_position_embeddings: Option<usize>,
     intermediate_size: Option<usize>,
     moe_intermediate_size: Option<usize>,
     num_hidden_layers: Option<usize>,
@@ -181,6 +184,7 @@ impl Config {
             intermediate_size: required("intermediate_size", raw.intermediate_size)?,
             moe_intermediate_size: required("moe_intermediate_size", raw.moe_intermediate_size)?,
             num_hidden_layers: required("num_hidden_layers", raw.num_hidden_layers)?,
+            max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
             num_attention_heads: heads,
             q_lora_rank: raw.q_lora_rank,
             kv_lora_rank: required("kv_lora_rank", raw.kv_lora_rank)?,

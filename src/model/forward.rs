@@ -1,21 +1,27 @@
-//! The DeepSeek-V3 / Kimi-K2 forward pass over a paged latent KV cache: embedding, per layer RMSNorm → MLA
-//! (absorbed, through [`Ops::attention`]) → RMSNorm → dense MLP or MoE, final norm, lm_head.
+//! The DeepSeek-V3 / Kimi-K2 forward pass over a paged latent KV cache, one code path for every
+//! [`Backend`]: embedding, per layer RMSNorm → MLA (absorbed) → RMSNorm → dense MLP or MoE, final norm,
+//! lm_head. Weights are placed on the backend once, at load; a step uploads its token ids, positions and
+//! block tables, runs every operation where the backend lives, and reads back only the rows asked for
+//! (logits, or just their argmax).
 //!
 //! One call takes any mix of sequences and new tokens: a prefill is many tokens of one sequence, a decode
 //! step one token of each. Every token is its own attention row over its sequence's slots `0 ..= position`
 //! (the cache rows of the call's tokens are written first), so a prefill gives the bits of token-by-token
-//! decoding and a token's logits do not depend on what else is in the batch.
+//! decoding and a token's results do not depend on what else is in the batch.
 
 use std::path::Path;
+use std::sync::{Mutex, PoisonError};
 
 use half::bf16;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::cpu::mla::{PagedCache, LATENT, ROPE, ROW};
+use crate::cpu::backend::CpuBackend;
+use crate::cpu::mla::{LATENT, ROPE, ROW};
+use crate::cpu::rowops::{QueryShape, ROPE_TABLE};
 use crate::error::{Error, Result};
+use crate::model::backend::{AttentionInputs, Backend, HeadStrides, KvWrite};
 use crate::model::config::Config;
-use crate::model::layers::{Linear, MlaWeights, Mlp, Moe, RmsNorm};
-use crate::model::ops::{CpuOps, Ops};
+use crate::model::layers::{self, MlaWeights, QueryProj};
 use crate::model::rope::Rope;
 use crate::model::weights::Checkpoint;
 use crate::types::KvLayout;
@@ -23,34 +29,204 @@ use crate::types::KvLayout;
 /// Checkpoints at least this large show a loading progress bar (on a terminal).
 const PROGRESS_BYTES: u64 = 1 << 30;
 
-/// A layer's feed-forward block.
-#[derive(Clone, Debug)]
-enum FeedForward {
-    Dense(Mlp),
-    Moe(Box<Moe>),
+/// An RMSNorm weight on the backend.
+struct Norm<B: Backend> {
+    w: B::Buf<f32>,
+    eps: f32,
+    dim: usize,
 }
 
-/// One decoder layer's weights.
-#[derive(Clone, Debug)]
-struct Layer {
-    input_norm: RmsNorm,
-    attn: MlaWeights,
-    post_attn_norm: RmsNorm,
-    ffn: FeedForward,
+impl<B: Backend> Norm<B> {
+    fn place(b: &B, n: &layers::RmsNorm) -> Result<Self> {
+        Ok(Norm { w: b.upload(&n.w)?, eps: n.eps, dim: n.w.len() })
+    }
+
+    /// `y = RMSNorm(x)` for `rows` dense rows.
+    fn run(&self, b: &B, x: &B::Buf<f32>, rows: usize, y: &mut B::Buf<f32>) -> Result<()> {
+        b.rmsnorm(x, self.dim, &self.w, self.eps, rows, y, self.dim)
+    }
 }
 
-/// The model: config, weights and the backend that runs the heavy operations.
-pub struct Model {
+/// A bf16 linear layer on the backend with its shape.
+struct Dense<B: Backend> {
+    w: B::Linear,
+    out: usize,
+}
+
+impl<B: Backend> Dense<B> {
+    fn place(b: &B, l: &layers::Linear) -> Result<Self> {
+        Ok(Dense { w: b.linear(l.weight(), 1, l.out_features(), l.in_features())?, out: l.out_features() })
+    }
+}
+
+/// The gated MLP with gate and up fused into one `[2I, h]` weight.
+struct Mlp<B: Backend> {
+    gate_up: B::Linear,
+    down: B::Linear,
+    inter: usize,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn place(b: &B, m: &layers::Mlp) -> Result<Self> {
+        let (inter, h) = (m.gate.out_features(), m.gate.in_features());
+        let fused: Vec<bf16> = m.gate.weight().iter().chain(m.up.weight()).copied().collect();
+        Ok(Mlp { gate_up: b.linear(&fused, 1, 2 * inter, h)?, down: Dense::place(b, &m.down)?.w, inter })
+    }
+}
+
+struct Moe<B: Backend> {
+    router: B::Linear,
+    bias: B::Buf<f32>,
+    experts: B::Experts,
+    shared: Option<Mlp<B>>,
+    top_k: usize,
+    scaling: f64,
+}
+
+enum FeedForward<B: Backend> {
+    Dense(Mlp<B>),
+    Moe(Box<Moe<B>>),
+}
+
+enum Query<B: Backend> {
+    Full(Dense<B>),
+    LowRank(Dense<B>, Norm<B>, Dense<B>),
+}
+
+/// One layer's MLA weights; kv_b split per head into the key part, transposed for the query absorption
+/// (`w_uk [heads, 512, nope]`), and the value part (`w_uv [heads, v, 512]`).
+struct Attention<B: Backend> {
+    q: Query<B>,
+    kv_a: B::Linear,
+    kv_a_norm: Norm<B>,
+    w_uk: B::Linear,
+    w_uv: B::Linear,
+    o_proj: B::Linear,
+}
+
+impl<B: Backend> Attention<B> {
+    fn place(b: &B, w: &MlaWeights, c: &Config) -> Result<Self> {
+        let (heads, nope, v) = (c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim);
+        let mut w_uk = Vec::with_capacity(heads * LATENT * nope);
+        let mut w_uv = Vec::with_capacity(heads * v * LATENT);
+        for h in 0..heads {
+            let first = h * (nope + v);
+            for j in 0..LATENT {
+                w_uk.extend((0..nope).map(|d| w.kv_b.row(first + d)[j]));
+            }
+            for j in 0..v {
+                w_uv.extend_from_slice(w.kv_b.row(first + nope + j));
+            }
+        }
+        let q = match &w.q {
+            QueryProj::Full(q) => Query::Full(Dense::place(b, q)?),
+            QueryProj::LowRank(a, n, qb) => {
+                Query::LowRank(Dense::place(b, a)?, Norm::place(b, n)?, Dense::place(b, qb)?)
+            }
+        };
+        Ok(Attention {
+            q,
+            kv_a: Dense::place(b, &w.kv_a)?.w,
+            kv_a_norm: Norm::place(b, &w.kv_a_norm)?,
+            w_uk: b.linear(&w_uk, heads, LATENT, nope)?,
+            w_uv: b.linear(&w_uv, heads, v, LATENT)?,
+            o_proj: Dense::place(b, &w.o_proj)?.w,
+        })
+    }
+}
+
+struct Layer<B: Backend> {
+    input_norm: Norm<B>,
+    attn: Attention<B>,
+    post_attn_norm: Norm<B>,
+    ffn: FeedForward<B>,
+}
+
+/// Per-step buffers sized for `tokens` tokens and `picked` returned rows; grown when a step needs more.
+struct Scratch<B: Backend> {
+    tokens: usize,
+    picked: usize,
+    x: B::Buf<f32>,
+    normed: B::Buf<f32>,
+    q_a: B::Buf<f32>,
+    q_a_normed: B::Buf<f32>,
+    q: B::Buf<f32>,
+    q_latent: B::Buf<f32>,
+    q_rows: B::Buf<bf16>,
+    kv: B::Buf<f32>,
+    o: B::Buf<f32>,
+    lse: B::Buf<f32>,
+    values: B::Buf<f32>,
+    out: B::Buf<f32>,
+    shared_out: B::Buf<f32>,
+    gate_up: B::Buf<f32>,
+    act: B::Buf<f32>,
+    router: B::Buf<f32>,
+    x16: B::Buf<bf16>,
+    ids: B::Buf<i32>,
+    table: B::Buf<f32>,
+    slot: B::Buf<i32>,
+    block_tables: B::Buf<i32>,
+    seq_len: B::Buf<i32>,
+    pick: B::Buf<i32>,
+    last: B::Buf<f32>,
+    last_normed: B::Buf<f32>,
+    logits: B::Buf<f32>,
+    argmax: B::Buf<i32>,
+}
+
+impl<B: Backend> Scratch<B> {
+    fn new(b: &B, c: &Config, pages_per_req: usize, tokens: usize, picked: usize) -> Result<Self> {
+        let (h, heads) = (c.hidden_size, c.num_attention_heads);
+        let inter = c.intermediate_size.max(c.moe_intermediate_size * c.n_shared_experts);
+        let t = tokens;
+        Ok(Scratch {
+            tokens,
+            picked,
+            x: b.zeros(t * h)?,
+            normed: b.zeros(t * h)?,
+            q_a: b.zeros(t * c.q_lora_rank.unwrap_or(0))?,
+            q_a_normed: b.zeros(t * c.q_lora_rank.unwrap_or(0))?,
+            q: b.zeros(t * heads * (c.qk_nope_head_dim + ROPE))?,
+            q_latent: b.zeros(t * heads * LATENT)?,
+            q_rows: b.zeros(t * heads * ROW)?,
+            kv: b.zeros(t * ROW)?,
+            o: b.zeros(t * heads * LATENT)?,
+            lse: b.zeros(t * heads)?,
+            values: b.zeros(t * heads * c.v_head_dim)?,
+            out: b.zeros(t * h)?,
+            shared_out: b.zeros(t * h)?,
+            gate_up: b.zeros(t * 2 * inter)?,
+            act: b.zeros(t * inter)?,
+            router: b.zeros(t * c.n_routed_experts)?,
+            x16: b.zeros(t * h)?,
+            ids: b.zeros(t)?,
+            table: b.zeros(t * ROPE_TABLE)?,
+            slot: b.zeros(t)?,
+            block_tables: b.zeros(t * pages_per_req)?,
+            seq_len: b.zeros(t)?,
+            pick: b.zeros(picked)?,
+            last: b.zeros(picked * h)?,
+            last_normed: b.zeros(picked * h)?,
+            logits: b.zeros(picked * c.vocab_size)?,
+            argmax: b.zeros(picked)?,
+        })
+    }
+}
+
+/// The model: config, weights placed on its backend, and the backend.
+pub struct Model<B: Backend = CpuBackend> {
     config: Config,
-    embed: Vec<bf16>,
-    layers: Vec<Layer>,
-    norm: RmsNorm,
-    lm_head: Linear,
+    embed: B::Buf<bf16>,
+    layers: Vec<Layer<B>>,
+    norm: Norm<B>,
+    lm_head: B::Linear,
     rope: Rope,
-    ops: Box<dyn Ops + Send>,
+    scratch: Mutex<Option<Scratch<B>>>,
+    backend: B,
 }
 
-/// Which positions of a forward call get logits.
+/// Which positions of a forward call get results.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {
     /// Every token of the call, in call order.
@@ -59,23 +235,36 @@ pub enum Logits {
     Last,
 }
 
-impl Model {
+/// A step's host-side plan: what is uploaded, and the rows to return.
+struct StepInputs {
+    ids: Vec<i32>,
+    positions: Vec<usize>,
+    slot: Vec<i32>,
+    block_tables: Vec<i32>,
+    seq_len: Vec<i32>,
+    max_seq_len: usize,
+    pick: Vec<i32>,
+}
+
+impl Model<CpuBackend> {
     /// Loads `config.json` and the safetensors of a checkpoint directory, for the CPU backend.
     pub fn load(dir: impl AsRef<Path>) -> Result<Self> {
-        Self::load_on(dir, Box::new(CpuOps))
+        Self::load_on(dir, CpuBackend)
     }
+}
 
-    /// Loads a checkpoint directory for the backend `ops` (e.g. `CudaOps` of [`crate::model::ops`] with the
+impl<B: Backend> Model<B> {
+    /// Loads a checkpoint directory onto `backend` (e.g. [`crate::cuda::backend::CudaBackend`] with the
     /// `cuda` feature).
-    pub fn load_on(dir: impl AsRef<Path>, ops: Box<dyn Ops + Send>) -> Result<Self> {
+    pub fn load_on(dir: impl AsRef<Path>, backend: B) -> Result<Self> {
         let dir = dir.as_ref();
         let config = Config::from_file(dir.join("config.json"))?;
         let ckpt = Checkpoint::open(dir)?;
-        Self::from_checkpoint(config, &ckpt, ops)
+        Self::from_checkpoint(config, &ckpt, backend)
     }
 
-    /// Builds the model from a checked config and an open checkpoint, running on `ops`.
-    pub fn from_checkpoint(config: Config, ckpt: &Checkpoint, ops: Box<dyn Ops + Send>) -> Result<Self> {
+    /// Builds the model from a checked config and an open checkpoint, placing every weight on `backend`.
+    pub fn from_checkpoint(config: Config, ckpt: &Checkpoint, backend: B) -> Result<Self> {
         let c = &config;
         if c.qk_rope_head_dim != ROPE || c.kv_lora_rank != LATENT {
             return Err(Error::param(
@@ -95,25 +284,27 @@ impl Model {
         };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
-            layers.push(load_layer(ckpt, c, i)?);
+            layers.push(load_layer(&backend, ckpt, c, i)?);
             bar.inc(1);
         }
         bar.finish_and_clear();
         let (v, h) = (c.vocab_size, c.hidden_size);
         let embed = ckpt.bf16("model.embed_tokens.weight", &[v, h])?;
         let lm_head = if c.tie_word_embeddings {
-            Linear::new(embed.clone(), v, h)?
+            backend.linear(&embed, 1, v, h)?
         } else {
-            Linear::load(ckpt, "lm_head.weight", v, h)?
+            backend.linear(&ckpt.bf16("lm_head.weight", &[v, h])?, 1, v, h)?
         };
+        let norm = layers::RmsNorm::load(ckpt, "model.norm.weight", h, c.rms_norm_eps)?;
         Ok(Model {
-            embed,
-            norm: RmsNorm::load(ckpt, "model.norm.weight", h, c.rms_norm_eps)?,
+            embed: backend.upload(&embed)?,
+            norm: Norm::place(&backend, &norm)?,
             lm_head,
             layers,
             rope: Rope::new(c)?,
             config,
-            ops,
+            scratch: Mutex::new(None),
+            backend,
         })
     }
 
@@ -122,154 +313,237 @@ impl Model {
         &self.config
     }
 
-    /// A KV cache for this model: `num_pages` pages of `page_size` slots per layer, at most
+    /// The backend it runs on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// A KV cache for this model on its backend: `num_pages` pages of `page_size` slots per layer, at most
     /// `max_seq_len` slots per sequence.
-    pub fn new_cache(&self, num_pages: usize, page_size: usize, max_seq_len: usize) -> Result<KvCache> {
-        KvCache::new(self.config.num_hidden_layers, num_pages, page_size, max_seq_len)
+    pub fn new_cache(&self, num_pages: usize, page_size: usize, max_seq_len: usize) -> Result<KvCache<B>> {
+        KvCache::new(&self.backend, self.config.num_hidden_layers, num_pages, page_size, max_seq_len)
     }
 
     /// Runs `batch` (sequence id in `cache`, its new tokens) one step: appends the tokens' latent rows to
     /// the cache and returns `[rows, vocab]` float32 logits for the positions `which` asks for.
-    pub fn forward(&self, cache: &mut KvCache, batch: &[(usize, &[u32])], which: Logits) -> Result<Vec<f32>> {
-        let c = &self.config;
-        let mut tokens = Vec::new();
-        let mut rows = Vec::new(); // (sequence, position) of every token
+    pub fn forward(&self, cache: &mut KvCache<B>, batch: &[(usize, &[u32])], which: Logits) -> Result<Vec<f32>> {
+        let vocab = self.config.vocab_size;
+        self.step(cache, batch, which, |b, s, rows| b.read(&s.logits, rows * vocab))
+    }
+
+    /// Like [`Model::forward`], but returns only the argmax token of each chosen row, computed where the
+    /// backend lives (one small read-back instead of the logits).
+    pub fn forward_argmax(&self, cache: &mut KvCache<B>, batch: &[(usize, &[u32])], which: Logits) -> Result<Vec<u32>> {
+        let vocab = self.config.vocab_size;
+        let ids = self.step(cache, batch, which, |b, s, rows| {
+            b.argmax(&s.logits, vocab, rows, &mut s.argmax)?;
+            b.read(&s.argmax, rows)
+        })?;
+        Ok(ids.into_iter().map(|t| t as u32).collect())
+    }
+
+    /// One step up to the chosen rows' logits in the scratch, then `finish` reads what the caller wants.
+    fn step<T>(
+        &self,
+        cache: &mut KvCache<B>,
+        batch: &[(usize, &[u32])],
+        which: Logits,
+        finish: impl FnOnce(&B, &mut Scratch<B>, usize) -> Result<T>,
+    ) -> Result<T> {
+        let inputs = self.plan_step(cache, batch, which)?;
+        let b = &self.backend;
+        let (tokens, picked) = (inputs.ids.len(), inputs.pick.len());
+        let mut guard = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
+        if !guard.as_ref().is_some_and(|s| s.tokens >= tokens && s.picked >= picked) {
+            let (t, p) = guard.as_ref().map_or((tokens, picked), |s| (s.tokens.max(tokens), s.picked.max(picked)));
+            *guard = None; // free the old buffers before allocating the new ones
+            *guard = Some(Scratch::new(b, &self.config, cache.layout.pages_per_req, t.max(1), p.max(1))?);
+        }
+        let s = guard.as_mut().expect("made above");
+        self.upload_inputs(s, &inputs)?;
+        let h = self.config.hidden_size;
+        b.embed(&self.embed, h, &s.ids, tokens, &mut s.x)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            layer.input_norm.run(b, &s.x, tokens, &mut s.normed)?;
+            self.attention(layer, &mut cache.storage[l], cache.layout, &inputs, s)?;
+            b.add(&mut s.x, &s.out, tokens * h)?;
+            layer.post_attn_norm.run(b, &s.x, tokens, &mut s.normed)?;
+            self.feed_forward(&layer.ffn, tokens, s)?;
+            b.add(&mut s.x, &s.out, tokens * h)?;
+        }
+        cache.advance(batch);
+        b.gather(&s.x, h, tokens, &s.pick, picked, &mut s.last)?;
+        self.norm.run(b, &s.last, picked, &mut s.last_normed)?;
+        b.matmul(&self.lm_head, &s.last_normed, picked, &mut s.logits)?;
+        let result = finish(b, s, picked)?;
+        b.check()?;
+        Ok(result)
+    }
+
+    /// Checks the batch, reserves its cache pages (an error here leaves every cache row as it was) and
+    /// lays out the step's inputs.
+    fn plan_step(&self, cache: &mut KvCache<B>, batch: &[(usize, &[u32])], which: Logits) -> Result<StepInputs> {
+        let vocab = self.config.vocab_size;
+        let mut inputs = StepInputs {
+            ids: Vec::new(),
+            positions: Vec::new(),
+            slot: Vec::new(),
+            block_tables: Vec::new(),
+            seq_len: Vec::new(),
+            max_seq_len: 0,
+            pick: Vec::new(),
+        };
         for (i, &(seq, ids)) in batch.iter().enumerate() {
             if batch[..i].iter().any(|&(other, _)| other == seq) {
                 return Err(Error::param("batch", seq, "a sequence may appear only once per forward call"));
             }
+            if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+                return Err(Error::Index {
+                    name: "tokens",
+                    detail: format!("token id {id} is outside the vocabulary 0..{vocab}"),
+                });
+            }
             let start = cache.len(seq)?;
             cache.reserve(seq, start + ids.len())?;
-            for (j, &id) in ids.iter().enumerate() {
-                if id as usize >= c.vocab_size {
-                    return Err(Error::Index {
-                        name: "tokens",
-                        detail: format!("token id {id} is outside the vocabulary 0..{}", c.vocab_size),
-                    });
-                }
-                tokens.push(id as usize);
-                rows.push((seq, start + j));
-            }
-        }
-        let h = c.hidden_size;
-        let mut x: Vec<f32> =
-            tokens.iter().flat_map(|&t| self.embed[t * h..(t + 1) * h].iter().map(|v| v.to_f32())).collect();
-        for (l, layer) in self.layers.iter().enumerate() {
-            let attn = self.attention(layer, l, &layer.input_norm.forward(&x), &rows, cache)?;
-            add(&mut x, &attn);
-            let normed = layer.post_attn_norm.forward(&x);
-            let ffn = match &layer.ffn {
-                FeedForward::Dense(mlp) => mlp.forward(&*self.ops, &normed)?,
-                FeedForward::Moe(moe) => moe.forward(&*self.ops, &normed)?,
-            };
-            add(&mut x, &ffn);
         }
         for &(seq, ids) in batch {
-            cache.advance(seq, ids.len());
-        }
-        let picked: Vec<usize> = match which {
-            Logits::All => (0..tokens.len()).collect(),
-            Logits::Last => {
-                let mut end = 0;
-                batch
-                    .iter()
-                    .filter(|(_, ids)| !ids.is_empty())
-                    .map(|(_, ids)| {
-                        end += ids.len();
-                        end - 1
-                    })
-                    .collect()
+            let start = cache.len(seq)?;
+            let table = cache.block_table(seq)?;
+            for (j, &id) in ids.iter().enumerate() {
+                let pos = start + j;
+                inputs.ids.push(id as i32);
+                inputs.positions.push(pos);
+                inputs.slot.push(cache.slot_row(&table, pos)?);
+                inputs.block_tables.extend_from_slice(&table);
+                inputs.seq_len.push(pos as i32 + 1);
+                inputs.max_seq_len = inputs.max_seq_len.max(pos + 1);
             }
-        };
-        let last: Vec<f32> = picked.iter().flat_map(|&t| x[t * h..(t + 1) * h].iter().copied()).collect();
-        self.ops.linear(&self.lm_head, &self.norm.forward(&last))
+            if which == Logits::Last && !ids.is_empty() {
+                inputs.pick.push(inputs.ids.len() as i32 - 1);
+            }
+        }
+        if which == Logits::All {
+            inputs.pick = (0..inputs.ids.len() as i32).collect();
+        }
+        if inputs.ids.is_empty() {
+            return Err(Error::param("batch", 0, "a forward call needs at least one token"));
+        }
+        Ok(inputs)
     }
 
-    /// MLA of one layer for `x [T, h]` (already normed): writes the tokens' `[c_kv | k_pe]` rows to the
-    /// cache, attends each token over its sequence's slots up to its own, returns `o_proj`'s output.
+    fn upload_inputs(&self, s: &mut Scratch<B>, x: &StepInputs) -> Result<()> {
+        let b = &self.backend;
+        b.write(&x.ids, &mut s.ids)?;
+        b.write(&self.rope.table(&x.positions), &mut s.table)?;
+        b.write(&x.slot, &mut s.slot)?;
+        b.write(&x.block_tables, &mut s.block_tables)?;
+        b.write(&x.seq_len, &mut s.seq_len)?;
+        b.write(&x.pick, &mut s.pick)
+    }
+
+    /// MLA of one layer on `s.normed`: writes the tokens' cache rows, attends each token over its
+    /// sequence's slots up to its own, leaves `o_proj`'s output in `s.out`.
     fn attention(
         &self,
-        layer: &Layer,
-        l: usize,
-        x: &[f32],
-        rows: &[(usize, usize)],
-        cache: &mut KvCache,
-    ) -> Result<Vec<f32>> {
-        let c = &self.config;
-        let w = &layer.attn;
-        self.write_latent_rows(w, l, x, rows, cache)?;
-        let q_rows = self.absorbed_queries(w, x, rows)?;
-        let tables: Vec<i32> =
-            rows.iter().map(|&(seq, _)| cache.block_table(seq)).collect::<Result<Vec<_>>>()?.concat();
-        let seq_len: Vec<i32> = rows.iter().map(|&(_, pos)| pos as i32 + 1).collect();
-        let paged = PagedCache { rows: &cache.layers[l], layout: cache.layout, block_table: &tables };
-        let att = self.ops.attention(&q_rows, c.num_attention_heads, &paged, &seq_len, c.softmax_scale() as f32)?;
-        // Each (token, head)'s latent output through the head's value rows of kv_b.
-        let v = c.v_head_dim;
-        let mut o = vec![0f32; att.o.len() / LATENT * v];
-        for (r, (out, o_latent)) in o.chunks_mut(v).zip(att.o.chunks(LATENT)).enumerate() {
-            w.head_values(o_latent, r % c.num_attention_heads, c, out);
-        }
-        self.ops.linear(&w.o_proj, &o)
-    }
-
-    /// The latent cache rows of the call's tokens: `kv_a_layernorm(c_kv)` and the rotated `k_pe`, in bf16.
-    fn write_latent_rows(
-        &self,
-        w: &MlaWeights,
-        l: usize,
-        x: &[f32],
-        rows: &[(usize, usize)],
-        cache: &mut KvCache,
+        layer: &Layer<B>,
+        cache: &mut B::Buf<bf16>,
+        layout: KvLayout,
+        x: &StepInputs,
+        s: &mut Scratch<B>,
     ) -> Result<()> {
-        let kv = self.ops.linear(&w.kv_a, x)?; // [T, 512 + 64]
-        let latent: Vec<f32> = kv.chunks(ROW).flat_map(|r| r[..LATENT].iter().copied()).collect();
-        let latent = w.kv_a_norm.forward(&latent);
-        let mut k_pe = vec![0f32; ROPE];
-        for (t, &(seq, pos)) in rows.iter().enumerate() {
-            self.rope.apply(&kv[t * ROW + LATENT..(t + 1) * ROW], pos, &mut k_pe);
-            let row: Vec<bf16> =
-                latent[t * LATENT..(t + 1) * LATENT].iter().chain(&k_pe).map(|&f| bf16::from_f32(f)).collect();
-            cache.write_row(l, seq, pos, &row)?;
+        let (b, c, w) = (&self.backend, &self.config, &layer.attn);
+        let (t, heads, nope, v) = (x.ids.len(), c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim);
+        b.matmul(&w.kv_a, &s.normed, t, &mut s.kv)?;
+        let write = KvWrite {
+            kv: &s.kv,
+            norm_w: &w.kv_a_norm.w,
+            eps: w.kv_a_norm.eps,
+            table: &s.table,
+            interleave: self.rope.interleave(),
+            slot: &s.slot,
+        };
+        b.kv_rows(&write, t, cache)?;
+        match &w.q {
+            Query::Full(q) => b.matmul(&q.w, &s.normed, t, &mut s.q)?,
+            Query::LowRank(a, norm, q) => {
+                b.matmul(&a.w, &s.normed, t, &mut s.q_a)?;
+                b.rmsnorm(&s.q_a, a.out, &norm.w, norm.eps, t, &mut s.q_a_normed, a.out)?;
+                b.matmul(&q.w, &s.q_a_normed, t, &mut s.q)?;
+            }
         }
-        Ok(())
+        let q_width = nope + ROPE;
+        let q_strides = HeadStrides { row: heads * q_width, head: q_width };
+        let latent_strides = HeadStrides { row: heads * LATENT, head: LATENT };
+        b.matmul_heads(&w.w_uk, &s.q, q_strides, t, &mut s.q_latent, latent_strides)?;
+        let shape = QueryShape { heads, nope };
+        b.q_rows(&s.q_latent, &s.q, shape, &s.table, t, self.rope.interleave(), &mut s.q_rows)?;
+        let inputs = AttentionInputs {
+            cache: &*cache,
+            layout,
+            block_tables: &s.block_tables,
+            seq_len: &s.seq_len,
+            max_seq_len: x.max_seq_len,
+        };
+        b.attention(&s.q_rows, heads, t, &inputs, c.softmax_scale() as f32, &mut s.o, &mut s.lse)?;
+        let value_strides = HeadStrides { row: heads * v, head: v };
+        b.matmul_heads(&w.w_uv, &s.o, latent_strides, t, &mut s.values, value_strides)?;
+        b.matmul(&w.o_proj, &s.values, t, &mut s.out)
     }
 
-    /// The attention's query rows `[T, heads, 512 + 64]` bf16: each head's `q_nope` absorbed through its
-    /// key rows of kv_b, then its rotated `q_pe`.
-    fn absorbed_queries(&self, w: &MlaWeights, x: &[f32], rows: &[(usize, usize)]) -> Result<Vec<bf16>> {
-        let c = &self.config;
-        let (heads, nope) = (c.num_attention_heads, c.qk_nope_head_dim);
-        let q = w.q.forward(&*self.ops, x)?; // [T, heads, nope + rope]
-        let mut q_rows = vec![bf16::ZERO; rows.len() * heads * ROW];
-        let mut row = vec![0f32; ROW];
-        for (r, (qh, out)) in q.chunks(nope + ROPE).zip(q_rows.chunks_mut(ROW)).enumerate() {
-            w.absorb_query(&qh[..nope], r % heads, c, &mut row[..LATENT]);
-            self.rope.apply(&qh[nope..], rows[r / heads].1, &mut row[LATENT..]);
-            out.iter_mut().zip(&row).for_each(|(o, &f)| *o = bf16::from_f32(f));
+    /// The feed-forward block on `s.normed` into `s.out`.
+    fn feed_forward(&self, ffn: &FeedForward<B>, t: usize, s: &mut Scratch<B>) -> Result<()> {
+        let b = &self.backend;
+        let h = self.config.hidden_size;
+        match ffn {
+            FeedForward::Dense(mlp) => self.mlp(mlp, t, s, false),
+            FeedForward::Moe(moe) => {
+                b.matmul(&moe.router, &s.normed, t, &mut s.router)?;
+                b.to_bf16(&s.normed, t * h, &mut s.x16)?;
+                b.moe(&s.router, &moe.bias, moe.top_k, moe.scaling, &s.x16, &moe.experts, t, &mut s.out)?;
+                match &moe.shared {
+                    Some(shared) => {
+                        self.mlp(shared, t, s, true)?;
+                        b.add(&mut s.out, &s.shared_out, t * h)
+                    }
+                    None => Ok(()),
+                }
+            }
         }
-        Ok(q_rows)
+    }
+
+    /// The gated MLP on `s.normed`, into `s.out` (or `s.shared_out` for the shared expert).
+    fn mlp(&self, mlp: &Mlp<B>, t: usize, s: &mut Scratch<B>, shared: bool) -> Result<()> {
+        let b = &self.backend;
+        b.matmul(&mlp.gate_up, &s.normed, t, &mut s.gate_up)?;
+        b.silu_mul(&s.gate_up, mlp.inter, t, &mut s.act)?;
+        let out = if shared { &mut s.shared_out } else { &mut s.out };
+        b.matmul(&mlp.down, &s.act, t, out)
     }
 }
 
-fn load_layer(ckpt: &Checkpoint, c: &Config, i: usize) -> Result<Layer> {
+fn load_layer<B: Backend>(b: &B, ckpt: &Checkpoint, c: &Config, i: usize) -> Result<Layer<B>> {
     let p = format!("model.layers.{i}");
     let h = c.hidden_size;
     let ffn = if c.is_moe_layer(i) {
-        FeedForward::Moe(Box::new(Moe::load(ckpt, &format!("{p}.mlp"), c)?))
+        let m = layers::Moe::load(ckpt, &format!("{p}.mlp"), c)?;
+        FeedForward::Moe(Box::new(Moe {
+            router: Dense::place(b, &m.router)?.w,
+            bias: b.upload(&m.bias)?,
+            experts: b.experts(&m.experts.view())?,
+            shared: m.shared.as_ref().map(|s| Mlp::place(b, s)).transpose()?,
+            top_k: m.top_k,
+            scaling: m.scaling,
+        }))
     } else {
-        FeedForward::Dense(Mlp::load(ckpt, &format!("{p}.mlp"), h, c.intermediate_size)?)
+        FeedForward::Dense(Mlp::place(b, &layers::Mlp::load(ckpt, &format!("{p}.mlp"), h, c.intermediate_size)?)?)
     };
+    let norm = |name: &str| layers::RmsNorm::load(ckpt, &format!("{p}.{name}.weight"), h, c.rms_norm_eps);
     Ok(Layer {
-        input_norm: RmsNorm::load(ckpt, &format!("{p}.input_layernorm.weight"), h, c.rms_norm_eps)?,
-        attn: MlaWeights::load(ckpt, &format!("{p}.self_attn"), c)?,
-        post_attn_norm: RmsNorm::load(ckpt, &format!("{p}.post_attention_layernorm.weight"), h, c.rms_norm_eps)?,
+        input_norm: Norm::place(b, &norm("input_layernorm")?)?,
+        attn: Attention::place(b, &MlaWeights::load(ckpt, &format!("{p}.self_attn"), c)?, c)?,
+        post_attn_norm: Norm::place(b, &norm("post_attention_layernorm")?)?,
         ffn,
     })
-}
-
-fn add(x: &mut [f32], y: &[f32]) {
-    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
 
 /// One sequence's place in the cache.
@@ -279,25 +553,27 @@ struct Sequence {
     len: usize,
 }
 
-/// A paged latent KV cache for every layer: per layer `[num_pages, page_size, 576]` bf16 rows, pages
-/// handed to sequences as they grow and returned when they are removed.
-pub struct KvCache {
-    layers: Vec<Vec<bf16>>,
+/// A paged latent KV cache for every layer: the page table and allocator on the host (pages handed to
+/// sequences as they grow and returned when they are removed), the page storage, per layer
+/// `[num_pages, page_size, 576]` bf16 rows, on the backend.
+pub struct KvCache<B: Backend = CpuBackend> {
+    storage: Vec<B::Buf<bf16>>,
     layout: KvLayout,
     free: Vec<i32>,
     seqs: Vec<Option<Sequence>>,
 }
 
-impl KvCache {
-    /// `layers` layers of `num_pages` pages of `page_size` slots; sequences of at most `max_seq_len` slots.
-    pub fn new(layers: usize, num_pages: usize, page_size: usize, max_seq_len: usize) -> Result<Self> {
+impl<B: Backend> KvCache<B> {
+    /// `layers` layers of `num_pages` pages of `page_size` slots on `backend`; sequences of at most
+    /// `max_seq_len` slots.
+    pub fn new(backend: &B, layers: usize, num_pages: usize, page_size: usize, max_seq_len: usize) -> Result<Self> {
         for (name, v) in [("num_pages", num_pages), ("page_size", page_size), ("max_seq_len", max_seq_len)] {
             if v == 0 {
                 return Err(Error::param(name, v, "the KV cache needs every size >= 1"));
             }
         }
-        if num_pages > i32::MAX as usize {
-            return Err(Error::param("num_pages", num_pages, "page ids are i32"));
+        if num_pages > i32::MAX as usize || (num_pages * page_size) > i32::MAX as usize {
+            return Err(Error::param("num_pages", num_pages, "page ids and cache rows are i32"));
         }
         let layout = KvLayout {
             layers: 1,
@@ -306,12 +582,8 @@ impl KvCache {
             row_elems: ROW,
             pages_per_req: max_seq_len.div_ceil(page_size),
         };
-        Ok(KvCache {
-            layers: vec![vec![bf16::ZERO; num_pages * page_size * ROW]; layers],
-            layout,
-            free: (0..num_pages as i32).rev().collect(),
-            seqs: Vec::new(),
-        })
+        let storage = (0..layers).map(|_| backend.zeros(num_pages * page_size * ROW)).collect::<Result<_>>()?;
+        Ok(KvCache { storage, layout, free: (0..num_pages as i32).rev().collect(), seqs: Vec::new() })
     }
 
     /// Starts an empty sequence; returns its id.
@@ -340,6 +612,11 @@ impl KvCache {
         Ok(self.seq(id)?.len)
     }
 
+    /// Pages not held by any sequence.
+    pub fn free_pages(&self) -> usize {
+        self.free.len()
+    }
+
     fn seq(&self, id: usize) -> Result<&Sequence> {
         self.seqs.get(id).and_then(Option::as_ref).ok_or_else(|| unknown(id))
     }
@@ -362,9 +639,11 @@ impl KvCache {
         Ok(())
     }
 
-    fn advance(&mut self, id: usize, n: usize) {
-        if let Some(seq) = self.seqs.get_mut(id).and_then(Option::as_mut) {
-            seq.len += n;
+    fn advance(&mut self, batch: &[(usize, &[u32])]) {
+        for &(id, ids) in batch {
+            if let Some(seq) = self.seqs.get_mut(id).and_then(Option::as_mut) {
+                seq.len += ids.len();
+            }
         }
     }
 
@@ -375,11 +654,10 @@ impl KvCache {
         Ok(table)
     }
 
-    fn write_row(&mut self, layer: usize, id: usize, slot: usize, row: &[bf16]) -> Result<()> {
-        let table = self.block_table(id)?;
-        let off = self.layout.slot_offset(&table, 0, slot)?;
-        self.layers[layer][off..off + ROW].copy_from_slice(row);
-        Ok(())
+    /// The storage row of `slot` in a sequence with block table `table`.
+    fn slot_row(&self, table: &[i32], slot: usize) -> Result<i32> {
+        let off = self.layout.slot_offset(table, 0, slot)?;
+        Ok((off / ROW) as i32)
     }
 }
 

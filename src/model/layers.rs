@@ -1,31 +1,14 @@
-//! The model's building blocks with their checkpoint tensors: bf16 linear layers, RMSNorm, the dense MLP,
-//! the MoE block (router, INT4 routed experts, shared expert) and the MLA projections.
-//!
-//! Activations are float32 `[tokens, features]` row-major. Every output element is one dot product summed
-//! in a fixed order, whatever the number of tokens, so a token's result does not depend on the batch.
-
-use std::sync::atomic::{AtomicU64, Ordering};
+//! The model's building blocks as read from a checkpoint, in host memory: bf16 linear layers, RMSNorm
+//! weights, the dense MLP, the MoE block (router, INT4 routed experts, shared expert) and the MLA
+//! projections. Each shape is checked against the config while reading; [`crate::model::Model`] places
+//! them on its backend once.
 
 use half::bf16;
 
-use crate::cpu::gemm_bf16::{dot, gemm_bf16};
-use crate::cpu::moe_int4::{self, Experts, Int4Matrix, Routing};
+use crate::cpu::moe_int4::{self, Experts, Int4Matrix};
 use crate::error::{check_len, Error, Result};
 use crate::model::config::Config;
-use crate::model::ops::Ops;
 use crate::model::weights::Checkpoint;
-
-/// A process-unique id of a loaded weight, so that a backend can keep one device copy per weight (clones
-/// share the id: they hold the same values).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct WeightId(u64);
-
-impl WeightId {
-    fn next() -> Self {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        WeightId(NEXT.fetch_add(1, Ordering::Relaxed))
-    }
-}
 
 /// A bias-free linear layer with a bf16 weight `[out, in]`.
 #[derive(Clone, Debug)]
@@ -33,24 +16,18 @@ pub struct Linear {
     w: Vec<bf16>,
     out: usize,
     inp: usize,
-    id: WeightId,
 }
 
 impl Linear {
     /// A layer of weight `w [out, inp]`.
     pub fn new(w: Vec<bf16>, out: usize, inp: usize) -> Result<Self> {
         check_len("w", w.len(), &[("out", out), ("in", inp)])?;
-        Ok(Linear { w, out, inp, id: WeightId::next() })
+        Ok(Linear { w, out, inp })
     }
 
     /// Reads `<name>` as a `[out, inp]` bf16 tensor.
     pub fn load(ckpt: &Checkpoint, name: &str, out: usize, inp: usize) -> Result<Self> {
         Self::new(ckpt.bf16(name, &[out, inp])?, out, inp)
-    }
-
-    /// This weight's id.
-    pub fn id(&self) -> WeightId {
-        self.id
     }
 
     /// The weight, `[out, in]` row-major.
@@ -72,19 +49,15 @@ impl Linear {
     pub fn in_features(&self) -> usize {
         self.inp
     }
-
-    /// `x [T, in]` times the weight's transpose on the CPU: `[T, out]` (what
-    /// [`crate::model::ops::CpuOps`] runs).
-    pub fn forward_cpu(&self, x: &[f32]) -> Result<Vec<f32>> {
-        gemm_bf16(&self.w, self.out, self.inp, x)
-    }
 }
 
-/// RMSNorm with a learned scale: `w · x / sqrt(mean(x²) + eps)`, in float32.
+/// RMSNorm with a learned scale: `w · x / sqrt(mean(x²) + eps)` ([`crate::cpu::rowops::rmsnorm`]).
 #[derive(Clone, Debug)]
 pub struct RmsNorm {
-    w: Vec<f32>,
-    eps: f32,
+    /// The scale, widened to f32.
+    pub w: Vec<f32>,
+    /// Epsilon.
+    pub eps: f32,
 }
 
 impl RmsNorm {
@@ -93,33 +66,17 @@ impl RmsNorm {
         let w = ckpt.bf16(name, &[dim])?.into_iter().map(|v| v.to_f32()).collect();
         Ok(RmsNorm { w, eps: eps as f32 })
     }
-
-    /// Normalizes every row of `x [T, dim]`.
-    pub fn forward(&self, x: &[f32]) -> Vec<f32> {
-        let dim = self.w.len();
-        let mut y = vec![0f32; x.len()];
-        for (row, out) in x.chunks(dim).zip(y.chunks_mut(dim)) {
-            let mean = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
-            let inv = 1.0 / (mean + self.eps).sqrt();
-            for ((o, v), w) in out.iter_mut().zip(row).zip(&self.w) {
-                *o = w * (v * inv);
-            }
-        }
-        y
-    }
-}
-
-/// `SiLU(a) · b` elementwise.
-fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
-    gate.iter().zip(up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect()
 }
 
 /// The gated MLP `down(SiLU(gate(x)) · up(x))` in bf16 weights (dense layers and the shared expert).
 #[derive(Clone, Debug)]
 pub struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    /// `gate_proj`.
+    pub gate: Linear,
+    /// `up_proj`.
+    pub up: Linear,
+    /// `down_proj`.
+    pub down: Linear,
 }
 
 impl Mlp {
@@ -131,19 +88,12 @@ impl Mlp {
             down: Linear::load(ckpt, &format!("{prefix}.down_proj.weight"), h, i)?,
         })
     }
-
-    /// `x [T, h]` to `[T, h]`.
-    pub fn forward(&self, ops: &dyn Ops, x: &[f32]) -> Result<Vec<f32>> {
-        let act = silu_mul(&ops.linear(&self.gate, x)?, &ops.linear(&self.up, x)?);
-        ops.linear(&self.down, &act)
-    }
 }
 
 /// One layer's routed experts in the `pack-quantized` INT4 layout, concatenated the way
 /// [`moe_int4::moe_int4`] reads them: `w13` = each expert's gate rows then up rows, `w2` = down rows.
 #[derive(Clone, Debug)]
 pub struct RoutedExperts {
-    id: WeightId,
     count: usize,
     hidden: usize,
     inter: usize,
@@ -158,7 +108,6 @@ impl RoutedExperts {
     pub fn load(ckpt: &Checkpoint, prefix: &str, config: &Config) -> Result<Self> {
         let (count, hidden, inter) = (config.n_routed_experts, config.hidden_size, config.moe_intermediate_size);
         let mut experts = RoutedExperts {
-            id: WeightId::next(),
             count,
             hidden,
             inter,
@@ -178,11 +127,6 @@ impl RoutedExperts {
             experts.w2_scale.extend(s);
         }
         Ok(experts)
-    }
-
-    /// These experts' id.
-    pub fn id(&self) -> WeightId {
-        self.id
     }
 
     /// The borrowed view the MoE kernel takes.
@@ -227,12 +171,18 @@ fn read_int4(ckpt: &Checkpoint, base: &str, rows: usize, cols: usize) -> Result<
 /// A DeepSeek-V3 MoE block: sigmoid router with a correction bias, INT4 routed experts, shared expert.
 #[derive(Clone, Debug)]
 pub struct Moe {
-    router: Linear,
-    bias: Vec<f32>,
-    experts: RoutedExperts,
-    shared: Option<Mlp>,
-    top_k: usize,
-    scaling: f64,
+    /// The router `gate.weight` `[E, h]`.
+    pub router: Linear,
+    /// `gate.e_score_correction_bias`.
+    pub bias: Vec<f32>,
+    /// The routed experts.
+    pub experts: RoutedExperts,
+    /// The shared expert, when the config has one.
+    pub shared: Option<Mlp>,
+    /// Experts per token.
+    pub top_k: usize,
+    /// `routed_scaling_factor`.
+    pub scaling: f64,
 }
 
 impl Moe {
@@ -261,19 +211,6 @@ impl Moe {
             scaling: config.routed_scaling_factor,
         })
     }
-
-    /// `x [T, h]` to `[T, h]`: routed experts (inputs rounded to bf16, as the INT4 kernel takes them) plus
-    /// the shared expert.
-    pub fn forward(&self, ops: &dyn Ops, x: &[f32]) -> Result<Vec<f32>> {
-        let logits = ops.linear(&self.router, x)?;
-        let routing: Routing = moe_int4::route(&logits, &self.bias, self.experts.count, self.top_k, self.scaling)?;
-        let x16: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-        let mut out = ops.routed_experts(&x16, &routing, &self.experts)?;
-        if let Some(shared) = &self.shared {
-            out.iter_mut().zip(shared.forward(ops, x)?).for_each(|(o, s)| *o += s);
-        }
-        Ok(out)
-    }
 }
 
 /// The query projection: full rank, or low rank through `q_a_proj → q_a_layernorm → q_b_proj`.
@@ -283,16 +220,6 @@ pub enum QueryProj {
     Full(Linear),
     /// `q_a_proj`, `q_a_layernorm`, `q_b_proj`.
     LowRank(Linear, RmsNorm, Linear),
-}
-
-impl QueryProj {
-    /// `x [T, h]` to `[T, heads · (nope + rope)]`.
-    pub fn forward(&self, ops: &dyn Ops, x: &[f32]) -> Result<Vec<f32>> {
-        match self {
-            QueryProj::Full(q) => ops.linear(q, x),
-            QueryProj::LowRank(a, norm, b) => ops.linear(b, &norm.forward(&ops.linear(a, x)?)),
-        }
-    }
 }
 
 /// The MLA projections of one layer (the attention itself runs over the latent cache, in `forward.rs`).
@@ -309,27 +236,6 @@ pub struct MlaWeights {
     pub kv_b: Linear,
     /// `o_proj`: `[h, heads · v]`.
     pub o_proj: Linear,
-}
-
-impl MlaWeights {
-    /// Head `head`'s query in the latent space: `q_latent[j] = Σ_d q_nope[d] · W_UK[d][j]`, where `W_UK`
-    /// are the head's key rows of kv_b (the absorption that lets attention run over the latent cache).
-    pub fn absorb_query(&self, q_nope: &[f32], head: usize, c: &Config, q_latent: &mut [f32]) {
-        let first = head * (c.qk_nope_head_dim + c.v_head_dim);
-        q_latent.fill(0.0);
-        for (d, &qd) in q_nope.iter().enumerate() {
-            q_latent.iter_mut().zip(self.kv_b.row(first + d)).for_each(|(acc, wk)| *acc += qd * wk.to_f32());
-        }
-    }
-
-    /// Head `head`'s attention output from its latent output: `out[j] = W_UV[j] · o_latent`, where `W_UV`
-    /// are the head's value rows of kv_b.
-    pub fn head_values(&self, o_latent: &[f32], head: usize, c: &Config, out: &mut [f32]) {
-        let first = head * (c.qk_nope_head_dim + c.v_head_dim) + c.qk_nope_head_dim;
-        for (j, v) in out.iter_mut().enumerate() {
-            *v = dot(o_latent, self.kv_b.row(first + j));
-        }
-    }
 }
 
 /// transformers builds `q_a_layernorm` and `kv_a_layernorm` with their default epsilon, not the config's.

@@ -1,11 +1,11 @@
 //! The DeepSeek-V3 / Kimi-K2 model (issue 5): the configuration read from a Hugging Face `config.json`,
 //! the checkpoint tensors, the tokenizer with its chat template, and the forward pass over a paged latent
-//! KV cache (CPU backend; the heavy operations sit behind [`ops::Ops`]).
+//! KV cache, one code path for every [`backend::Backend`].
 
+pub mod backend;
 pub mod config;
 pub mod forward;
 pub mod layers;
-pub mod ops;
 pub mod rope;
 pub mod tokenizer;
 pub mod weights;

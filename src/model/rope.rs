@@ -69,15 +69,24 @@ impl Rope {
         2 * self.inv_freq.len()
     }
 
-    /// Rotates `x` (`dim` values) for `position`, writing the half-split layout into `out`.
-    pub fn apply(&self, x: &[f32], position: usize, out: &mut [f32]) {
+    /// Whether the checkpoint's rotary pairs are interleaved (`rope_interleave`).
+    pub fn interleave(&self) -> bool {
+        self.interleave
+    }
+
+    /// The rotary table rows of `positions`, as [`crate::cpu::rowops`] takes them: per position the
+    /// `dim / 2` cosines, then the `dim / 2` sines, of `inv_freq · position` in float32, each times the
+    /// attention factor. Computed once on the host, so every backend rotates with the same values.
+    pub fn table(&self, positions: &[usize]) -> Vec<f32> {
         let half = self.inv_freq.len();
-        for (i, &f) in self.inv_freq.iter().enumerate() {
-            let angle = f * position as f32;
-            let (cos, sin) = (angle.cos() * self.attention_factor, angle.sin() * self.attention_factor);
-            let (a, b) = if self.interleave { (x[2 * i], x[2 * i + 1]) } else { (x[i], x[i + half]) };
-            out[i] = a * cos - b * sin;
-            out[i + half] = b * cos + a * sin;
+        let mut out = vec![0f32; positions.len() * 2 * half];
+        for (row, &position) in out.chunks_mut(2 * half).zip(positions) {
+            for (i, &f) in self.inv_freq.iter().enumerate() {
+                let angle = f * position as f32;
+                row[i] = angle.cos() * self.attention_factor;
+                row[half + i] = angle.sin() * self.attention_factor;
+            }
         }
+        out
     }
 }

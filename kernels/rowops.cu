@@ -1,0 +1,157 @@
+// The per-row operations of the forward pass (src/cpu/rowops.rs states the contract): embedding gather,
+// RMSNorm, SiLU·mul, the MLA query rows and cache rows, residual add, bf16 conversion, row gather and
+// argmax. Every product and sum is a single rounded op (__fmul_rn / __fadd_rn, which nvcc never fuses
+// into an FMA), so the results are the CPU's bits. Rows are independent: batch invariant by construction.
+#include "common.cuh"
+
+namespace kdt {
+namespace rowops {
+
+constexpr int WARP = 32;
+constexpr int ROWS_PER_BLOCK = 4;  // one warp per row, four warps per block
+constexpr int LATENT = 512;
+constexpr int ROPE = 64;
+constexpr int ROW = LATENT + ROPE;
+constexpr int STATUS_BAD_INDEX = 1;
+
+// The contract's sum of squares: lane l takes elements e with (e / 4) % 32 == l, in increasing e; then
+// the butterfly s = 16 .. 1, which leaves the same total in every lane (each pair adds the same two
+// values).
+__device__ __forceinline__ float sum_squares(const float* x, int d) {
+    const int lane = threadIdx.x % WARP;
+    float acc = 0.0f;
+    for (int base = 4 * lane; base < d; base += 4 * WARP)
+        for (int c = 0; c < 4 && base + c < d; ++c) acc = __fadd_rn(acc, __fmul_rn(x[base + c], x[base + c]));
+    for (int s = WARP / 2; s > 0; s /= 2) acc = __fadd_rn(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, s));
+    return acc;
+}
+
+__device__ __forceinline__ float rms_inv(const float* x, int d, float eps) {
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sum_squares(x, d), (float)d), eps)));
+}
+
+// Rotated value `i` (0..63) of a 64-value rotary part with its table row (32 cos, then 32 sin).
+__device__ __forceinline__ float rope_value(const float* x, const float* table, bool interleave, int i) {
+    const int half = ROPE / 2, p = i % half;
+    const float a = interleave ? x[2 * p] : x[p];
+    const float b = interleave ? x[2 * p + 1] : x[p + half];
+    const float c = table[p], s = table[half + p];
+    return i < half ? __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)) : __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
+__device__ __forceinline__ float sigmoid(float g) {
+    if (g >= 0.0f) return __fdiv_rn(1.0f, __fadd_rn(1.0f, expd(-g)));
+    const float e = expd(g);
+    return __fdiv_rn(e, __fadd_rn(1.0f, e));
+}
+
+__device__ __forceinline__ int warp_row() { return blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / WARP; }
+
+}  // namespace rowops
+}  // namespace kdt
+
+namespace ro = kdt::rowops;
+
+// y[t] = RMSNorm(x[t]) for rows of d values at row strides x_stride / y_stride.
+extern "C" __global__ void __launch_bounds__(ro::WARP* ro::ROWS_PER_BLOCK)
+    rowops_rmsnorm(const float* x, int x_stride, const float* w, int d, float eps, int rows, float* y, int y_stride) {
+    const int t = ro::warp_row();
+    if (t >= rows) return;
+    const float* xr = x + (long long)t * x_stride;
+    const float inv = ro::rms_inv(xr, d, eps);
+    float* yr = y + (long long)t * y_stride;
+    for (int e = threadIdx.x % ro::WARP; e < d; e += ro::WARP) yr[e] = __fmul_rn(w[e], __fmul_rn(xr[e], inv));
+}
+
+// out[t][j] = SiLU(gu[t][j]) * gu[t][inter + j].
+extern "C" __global__ void __launch_bounds__(256) rowops_silu_mul(const float* gu, int inter, long long n, float* out) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long t = i / inter, j = i % inter;
+        const float g = gu[t * 2 * inter + j], u = gu[t * 2 * inter + inter + j];
+        out[i] = __fmul_rn(__fmul_rn(g, ro::sigmoid(g)), u);
+    }
+}
+
+// out [rows = T * heads, 576] bf16: the latent query, then the rotated rotary part of q [T, heads, nope + 64].
+extern "C" __global__ void __launch_bounds__(ro::WARP* ro::ROWS_PER_BLOCK)
+    rowops_q_rows(const float* q_latent, const float* q, int heads, int nope, const float* table, int interleave,
+                  int rows, __nv_bfloat16* out) {
+    const int r = ro::warp_row(), lane = threadIdx.x % ro::WARP;
+    if (r >= rows) return;
+    const float* lat = q_latent + (long long)r * ro::LATENT;
+    __nv_bfloat16* o = out + (long long)r * ro::ROW;
+    for (int e = lane; e < ro::LATENT; e += ro::WARP) o[e] = __float2bfloat16_rn(lat[e]);
+    const float* pe = q + (long long)r * (nope + ro::ROPE) + nope;
+    const float* tab = table + (long long)(r / heads) * ro::ROPE;
+    for (int i = lane; i < ro::ROPE; i += ro::WARP) o[ro::LATENT + i] = __float2bfloat16_rn(ro::rope_value(pe, tab, interleave, i));
+}
+
+// Cache row slot[t] of cache [cache_rows, 576] = bf16(RMSNorm(kv[t][..512]) | rotated kv[t][512..]). A slot
+// outside the cache is skipped and sets status bit 1.
+extern "C" __global__ void __launch_bounds__(ro::WARP* ro::ROWS_PER_BLOCK)
+    rowops_kv_rows(const float* kv, const float* norm_w, float eps, const float* table, int interleave,
+                   const int* slot, int rows, __nv_bfloat16* cache, long long cache_rows, int* status) {
+    const int t = ro::warp_row(), lane = threadIdx.x % ro::WARP;
+    if (t >= rows) return;
+    const int s = slot[t];
+    if (s < 0 || s >= cache_rows) {
+        if (lane == 0) atomicOr(status, ro::STATUS_BAD_INDEX);
+        return;
+    }
+    const float* src = kv + (long long)t * ro::ROW;
+    const float inv = ro::rms_inv(src, ro::LATENT, eps);
+    __nv_bfloat16* dst = cache + (long long)s * ro::ROW;
+    for (int e = lane; e < ro::LATENT; e += ro::WARP) dst[e] = __float2bfloat16_rn(__fmul_rn(norm_w[e], __fmul_rn(src[e], inv)));
+    const float* tab = table + (long long)t * ro::ROPE;
+    for (int i = lane; i < ro::ROPE; i += ro::WARP)
+        dst[ro::LATENT + i] = __float2bfloat16_rn(ro::rope_value(src + ro::LATENT, tab, interleave, i));
+}
+
+// out[t] = table[ids[t]] widened to f32; an id outside the vocabulary gives a zero row and status bit 1.
+extern "C" __global__ void __launch_bounds__(128)
+    rowops_embed(const __nv_bfloat16* table, int hidden, int vocab, const int* ids, float* out, int* status) {
+    const int t = blockIdx.x, id = ids[t];
+    const bool ok = id >= 0 && id < vocab;
+    if (!ok && threadIdx.x == 0) atomicOr(status, ro::STATUS_BAD_INDEX);
+    for (int e = threadIdx.x; e < hidden; e += blockDim.x)
+        out[(long long)t * hidden + e] = ok ? __bfloat162float(table[(long long)id * hidden + e]) : 0.0f;
+}
+
+// x += y.
+extern "C" __global__ void __launch_bounds__(256) rowops_add(float* x, const float* y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] = __fadd_rn(x[i], y[i]);
+}
+
+// out = bf16(x), round to nearest even.
+extern "C" __global__ void __launch_bounds__(256) rowops_to_bf16(const float* x, long long n, __nv_bfloat16* out) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = __float2bfloat16_rn(x[i]);
+}
+
+// out[r] = x[idx[r]] for rows of d values; an index outside 0..rows gives a zero row and status bit 1.
+extern "C" __global__ void __launch_bounds__(128)
+    rowops_gather(const float* x, int d, int rows, const int* idx, float* out, int* status) {
+    const int r = blockIdx.x, i = idx[r];
+    const bool ok = i >= 0 && i < rows;
+    if (!ok && threadIdx.x == 0) atomicOr(status, ro::STATUS_BAD_INDEX);
+    for (int e = threadIdx.x; e < d; e += blockDim.x) out[(long long)r * d + e] = ok ? x[(long long)i * d + e] : 0.0f;
+}
+
+// out[r] = argmax of row r of x [rows, vocab]: NaN above every number, the lowest index among equals.
+// One block per row; the order key (NaN above +inf, -0 read as +0) with the inverted index makes the
+// largest composite key the answer, so the reduction order cannot change it.
+extern "C" __global__ void __launch_bounds__(256) rowops_argmax(const float* x, int vocab, int* out) {
+    using Reduce = cub::BlockReduce<kdt::u64, 256>;
+    __shared__ typename Reduce::TempStorage tmp;
+    const float* row = x + (long long)blockIdx.x * vocab;
+    kdt::u64 best = 0;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = row[i];
+        const uint32_t key = isnan(v) ? 0xFFFFFFFFu : kdt::order_key(v);
+        const kdt::u64 k = kdt::composite_key(key, (uint32_t)i);
+        best = k > best ? k : best;
+    }
+    const kdt::u64 top = Reduce(tmp).Reduce(best, [](kdt::u64 a, kdt::u64 b) { return a > b ? a : b; });
+    if (threadIdx.x == 0) out[blockIdx.x] = (int)~(uint32_t)(top & 0xFFFFFFFFu);
+}

@@ -1,0 +1,274 @@
+//! The CPU backend: host buffers, and the pure-Rust kernels of this module's siblings as its operations.
+
+use half::bf16;
+
+use crate::cpu::gemm_bf16::gemm_bf16;
+use crate::cpu::mla::{mla_decode, PagedCache, LATENT};
+use crate::cpu::moe_int4::{moe_int4, route, Experts, Int4Matrix, Int4Owned};
+use crate::cpu::rowops::{self, QueryShape};
+use crate::error::{check_len, Error, Result};
+use crate::model::backend::{AttentionInputs, Backend, Elem, HeadStrides, KvWrite};
+
+/// The CPU backend (see the module documentation).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
+
+/// A bf16 weight `[batch, out, in]` in host memory.
+#[derive(Clone, Debug)]
+pub struct HostLinear {
+    w: Vec<bf16>,
+    batch: usize,
+    out: usize,
+    inp: usize,
+}
+
+/// One layer's routed experts in host memory (the `pack-quantized` layout).
+#[derive(Clone, Debug)]
+pub struct HostExperts {
+    count: usize,
+    hidden: usize,
+    inter: usize,
+    w13: Int4Owned,
+    w2: Int4Owned,
+}
+
+impl HostExperts {
+    fn view(&self) -> Experts<'_> {
+        let (e, h, i) = (self.count, self.hidden, self.inter);
+        Experts {
+            count: e,
+            hidden: h,
+            inter: i,
+            w13: Int4Matrix { packed: &self.w13.packed, scale: &self.w13.scale, rows: e * 2 * i, cols: h },
+            w2: Int4Matrix { packed: &self.w2.packed, scale: &self.w2.scale, rows: e * h, cols: i },
+        }
+    }
+}
+
+fn prefix<'a, T>(name: &'static str, buf: &'a [T], len: usize) -> Result<&'a [T]> {
+    buf.get(..len).ok_or_else(|| Error::shape(name, format!("at least {len} elements"), len, buf.len()))
+}
+
+fn prefix_mut<'a, T>(name: &'static str, buf: &'a mut [T], len: usize) -> Result<&'a mut [T]> {
+    let have = buf.len();
+    buf.get_mut(..len).ok_or_else(|| Error::shape(name, format!("at least {len} elements"), len, have))
+}
+
+/// Copies `rows` rows of `features` from `src` (rows `xs.row` apart, starting at `offset`) into a dense block.
+fn gather_strided(src: &[f32], offset: usize, row: usize, rows: usize, features: usize) -> Result<Vec<f32>> {
+    let mut out = Vec::with_capacity(rows * features);
+    for t in 0..rows {
+        let start = offset + t * row;
+        out.extend_from_slice(prefix("x", src.get(start..).unwrap_or(&[]), features)?);
+    }
+    Ok(out)
+}
+
+impl Backend for CpuBackend {
+    type Buf<T: Elem> = Vec<T>;
+    type Linear = HostLinear;
+    type Experts = HostExperts;
+
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn zeros<T: Elem>(&self, len: usize) -> Result<Vec<T>> {
+        Ok(vec![T::default(); len])
+    }
+
+    fn upload<T: Elem>(&self, host: &[T]) -> Result<Vec<T>> {
+        Ok(host.to_vec())
+    }
+
+    fn write<T: Elem>(&self, host: &[T], buf: &mut Vec<T>) -> Result<()> {
+        prefix_mut("buffer", buf, host.len())?.copy_from_slice(host);
+        Ok(())
+    }
+
+    fn read<T: Elem>(&self, buf: &Vec<T>, len: usize) -> Result<Vec<T>> {
+        Ok(prefix("buffer", buf, len)?.to_vec())
+    }
+
+    fn len<T: Elem>(&self, buf: &Vec<T>) -> usize {
+        buf.len()
+    }
+
+    fn linear(&self, w: &[bf16], batch: usize, out: usize, inp: usize) -> Result<HostLinear> {
+        check_len("w", w.len(), &[("batch", batch), ("out", out), ("in", inp)])?;
+        Ok(HostLinear { w: w.to_vec(), batch, out, inp })
+    }
+
+    fn experts(&self, experts: &Experts) -> Result<HostExperts> {
+        experts.check()?;
+        let owned = |m: &Int4Matrix| Int4Owned { packed: m.packed.to_vec(), scale: m.scale.to_vec() };
+        Ok(HostExperts {
+            count: experts.count,
+            hidden: experts.hidden,
+            inter: experts.inter,
+            w13: owned(&experts.w13),
+            w2: owned(&experts.w2),
+        })
+    }
+
+    fn matmul(&self, w: &HostLinear, x: &Vec<f32>, tokens: usize, y: &mut Vec<f32>) -> Result<()> {
+        if w.batch != 1 {
+            return Err(Error::param("weight batch", w.batch, "matmul takes a one-matrix weight"));
+        }
+        let got = gemm_bf16(&w.w, w.out, w.inp, prefix("x", x, tokens * w.inp)?)?;
+        prefix_mut("y", y, tokens * w.out)?.copy_from_slice(&got);
+        Ok(())
+    }
+
+    fn matmul_heads(
+        &self,
+        w: &HostLinear,
+        x: &Vec<f32>,
+        xs: HeadStrides,
+        tokens: usize,
+        y: &mut Vec<f32>,
+        ys: HeadStrides,
+    ) -> Result<()> {
+        let per_head = w.out * w.inp;
+        for h in 0..w.batch {
+            let xh = gather_strided(x, h * xs.head, xs.row, tokens, w.inp)?;
+            let got = gemm_bf16(&w.w[h * per_head..(h + 1) * per_head], w.out, w.inp, &xh)?;
+            for (t, row) in got.chunks(w.out).enumerate() {
+                let start = h * ys.head + t * ys.row;
+                prefix_mut("y", y.get_mut(start..).unwrap_or(&mut []), w.out)?.copy_from_slice(row);
+            }
+        }
+        Ok(())
+    }
+
+    fn rmsnorm(
+        &self,
+        x: &Vec<f32>,
+        x_stride: usize,
+        w: &Vec<f32>,
+        eps: f32,
+        rows: usize,
+        y: &mut Vec<f32>,
+        y_stride: usize,
+    ) -> Result<()> {
+        let d = w.len();
+        for t in 0..rows {
+            let xr = prefix("x", x.get(t * x_stride..).unwrap_or(&[]), d)?;
+            let yr = prefix_mut("y", y.get_mut(t * y_stride..).unwrap_or(&mut []), d)?;
+            rowops::rmsnorm_row(xr, w, eps, yr);
+        }
+        Ok(())
+    }
+
+    fn silu_mul(&self, gu: &Vec<f32>, inter: usize, rows: usize, out: &mut Vec<f32>) -> Result<()> {
+        rowops::silu_mul(prefix("gate_up", gu, rows * 2 * inter)?, inter, prefix_mut("out", out, rows * inter)?)
+    }
+
+    fn q_rows(
+        &self,
+        q_latent: &Vec<f32>,
+        q: &Vec<f32>,
+        shape: QueryShape,
+        table: &Vec<f32>,
+        tokens: usize,
+        interleave: bool,
+        out: &mut Vec<bf16>,
+    ) -> Result<()> {
+        let rows = tokens * shape.heads;
+        rowops::q_rows(
+            prefix("q_latent", q_latent, rows * LATENT)?,
+            prefix("q", q, rows * (shape.nope + rowops::ROPE_TABLE))?,
+            shape,
+            prefix("rope table", table, tokens * rowops::ROPE_TABLE)?,
+            interleave,
+            prefix_mut("out", out, rows * crate::cpu::mla::ROW)?,
+        )
+    }
+
+    fn kv_rows(&self, x: &KvWrite<Self>, tokens: usize, cache: &mut Vec<bf16>) -> Result<()> {
+        rowops::kv_rows(
+            prefix("kv", x.kv, tokens * crate::cpu::mla::ROW)?,
+            x.norm_w,
+            x.eps,
+            prefix("rope table", x.table, tokens * rowops::ROPE_TABLE)?,
+            x.interleave,
+            prefix("slot", x.slot, tokens)?,
+            cache,
+        )
+    }
+
+    fn embed(&self, table: &Vec<bf16>, hidden: usize, ids: &Vec<i32>, tokens: usize, out: &mut Vec<f32>) -> Result<()> {
+        rowops::embed(table, hidden, prefix("ids", ids, tokens)?, prefix_mut("out", out, tokens * hidden)?)
+    }
+
+    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, n: usize) -> Result<()> {
+        rowops::add(prefix_mut("x", x, n)?, prefix("y", y, n)?)
+    }
+
+    fn to_bf16(&self, x: &Vec<f32>, n: usize, out: &mut Vec<bf16>) -> Result<()> {
+        rowops::to_bf16(prefix("x", x, n)?, prefix_mut("out", out, n)?)
+    }
+
+    fn gather(
+        &self,
+        x: &Vec<f32>,
+        dim: usize,
+        rows: usize,
+        idx: &Vec<i32>,
+        picked: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        rowops::gather(
+            prefix("x", x, rows * dim)?,
+            dim,
+            prefix("idx", idx, picked)?,
+            prefix_mut("out", out, picked * dim)?,
+        )
+    }
+
+    fn argmax(&self, x: &Vec<f32>, vocab: usize, rows: usize, out: &mut Vec<i32>) -> Result<()> {
+        rowops::argmax(prefix("x", x, rows * vocab)?, vocab, prefix_mut("out", out, rows)?)
+    }
+
+    fn attention(
+        &self,
+        q: &Vec<bf16>,
+        heads: usize,
+        rows: usize,
+        inputs: &AttentionInputs<Self>,
+        softmax_scale: f32,
+        o: &mut Vec<f32>,
+        lse: &mut Vec<f32>,
+    ) -> Result<()> {
+        let tables = prefix("block_tables", inputs.block_tables, rows * inputs.layout.pages_per_req)?;
+        let cache = PagedCache { rows: inputs.cache, layout: inputs.layout, block_table: tables };
+        let seq_len = prefix("seq_len", inputs.seq_len, rows)?;
+        let q = prefix("q", q, rows * heads * crate::cpu::mla::ROW)?;
+        let got = mla_decode(q, heads, &cache, seq_len, softmax_scale)?;
+        prefix_mut("o", o, got.o.len())?.copy_from_slice(&got.o);
+        prefix_mut("lse", lse, got.lse.len())?.copy_from_slice(&got.lse);
+        Ok(())
+    }
+
+    fn moe(
+        &self,
+        router_logits: &Vec<f32>,
+        bias: &Vec<f32>,
+        k: usize,
+        scaling: f64,
+        x: &Vec<bf16>,
+        experts: &HostExperts,
+        tokens: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let routing =
+            route(prefix("router_logits", router_logits, tokens * experts.count)?, bias, experts.count, k, scaling)?;
+        let got = moe_int4(prefix("x", x, tokens * experts.hidden)?, &routing, &experts.view())?;
+        prefix_mut("out", out, got.len())?.copy_from_slice(&got);
+        Ok(())
+    }
+
+    fn check(&self) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,317 @@
+//! The CUDA backend: device buffers, and the kernels of this module's siblings as its operations. Every
+//! operation only queues work on the `Gpu`'s stream; nothing is read back until [`Backend::read`] or
+//! [`Backend::check`].
+//!
+//! The plans (the GEMM's split-K scratch, the MLA split-KV scratch, the MoE routing buffers) live behind
+//! a mutex and grow to the largest step seen, so a warmed-up step allocates nothing.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use half::bf16;
+
+use super::gemm_bf16::{DeviceWeight, GemmPlan, Strides};
+use super::mla::{DeviceCache, DeviceMlaOutput, MlaPlan};
+use super::moe_int4::{DeviceExperts, MoePlan};
+use super::rowops::{self, KvRowInputs};
+use super::Gpu;
+use crate::cpu::mla::ROW;
+use crate::cpu::moe_int4::Experts;
+use crate::cpu::rowops::QueryShape;
+use crate::error::{Error, Result};
+use crate::model::backend::{AttentionInputs, Backend, Elem, HeadStrides, KvWrite};
+
+/// An MLA plan with the maxima it was made for.
+struct SizedMla {
+    plan: MlaPlan,
+    rows: usize,
+    heads: usize,
+    max_seq_len: usize,
+}
+
+/// A MoE plan with the top-k and tokens it was made for.
+struct SizedMoe {
+    plan: MoePlan,
+    k: usize,
+    tokens: usize,
+}
+
+struct Plans {
+    gemm: GemmPlan,
+    mla: Option<SizedMla>,
+    moe: Option<SizedMoe>,
+    /// Status word of the indexing row operations (embedding ids, cache slots, gathered rows).
+    status: CudaSlice<i32>,
+}
+
+/// The CUDA backend on one [`Gpu`] (see the module documentation).
+pub struct CudaBackend {
+    gpu: Gpu,
+    plans: Mutex<Plans>,
+}
+
+impl CudaBackend {
+    /// A backend on `gpu`.
+    pub fn new(gpu: Gpu) -> Result<Self> {
+        let plans = Plans { gemm: GemmPlan::new(&gpu, 1, &[])?, mla: None, moe: None, status: gpu.zeros(1)? };
+        Ok(CudaBackend { gpu, plans: Mutex::new(plans) })
+    }
+
+    /// The device it runs on.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    fn plans(&self) -> MutexGuard<'_, Plans> {
+        self.plans.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+fn view<'a, T: Elem>(buf: &'a CudaSlice<T>, len: usize, name: &'static str) -> Result<CudaView<'a, T>> {
+    if buf.len() < len {
+        return Err(Error::shape(name, format!("at least {len} elements"), len, buf.len()));
+    }
+    Ok(buf.slice(..len))
+}
+
+fn view_mut<'a, T: Elem>(buf: &'a mut CudaSlice<T>, len: usize, name: &'static str) -> Result<CudaViewMut<'a, T>> {
+    if buf.len() < len {
+        return Err(Error::shape(name, format!("at least {len} elements"), len, buf.len()));
+    }
+    Ok(buf.slice_mut(..len))
+}
+
+impl Backend for CudaBackend {
+    type Buf<T: Elem> = CudaSlice<T>;
+    type Linear = DeviceWeight;
+    type Experts = DeviceExperts;
+
+    fn name(&self) -> String {
+        self.gpu.name().unwrap_or_else(|_| "cuda".into())
+    }
+
+    fn zeros<T: Elem>(&self, len: usize) -> Result<CudaSlice<T>> {
+        self.gpu.zeros(len)
+    }
+
+    fn upload<T: Elem>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        if host.is_empty() {
+            return self.gpu.zeros(1);
+        }
+        self.gpu.upload(host)
+    }
+
+    fn write<T: Elem>(&self, host: &[T], buf: &mut CudaSlice<T>) -> Result<()> {
+        if host.is_empty() {
+            return Ok(());
+        }
+        let mut dst = view_mut(buf, host.len(), "buffer")?;
+        self.gpu.stream().memcpy_htod(host, &mut dst).map_err(|e| super::cuda_err("write", e))
+    }
+
+    fn read<T: Elem>(&self, buf: &CudaSlice<T>, len: usize) -> Result<Vec<T>> {
+        let mut host = vec![T::default(); len];
+        if len > 0 {
+            self.gpu
+                .stream()
+                .memcpy_dtoh(&view(buf, len, "buffer")?, &mut host)
+                .map_err(|e| super::cuda_err("read", e))?;
+            self.gpu.synchronize()?;
+        }
+        Ok(host)
+    }
+
+    fn len<T: Elem>(&self, buf: &CudaSlice<T>) -> usize {
+        buf.len()
+    }
+
+    fn linear(&self, w: &[bf16], batch: usize, out: usize, inp: usize) -> Result<DeviceWeight> {
+        DeviceWeight::upload(&self.gpu, w, batch, out, inp)
+    }
+
+    fn experts(&self, experts: &Experts) -> Result<DeviceExperts> {
+        DeviceExperts::upload(&self.gpu, experts)
+    }
+
+    fn matmul(&self, w: &DeviceWeight, x: &CudaSlice<f32>, tokens: usize, y: &mut CudaSlice<f32>) -> Result<()> {
+        let (inp, out) = (w.in_features(), w.out_features());
+        let xv = view(x, tokens * inp, "x")?;
+        let mut yv = view_mut(y, tokens * out, "y")?;
+        self.plans().gemm.run(&self.gpu, w, &xv, Strides::dense(inp), tokens, &mut yv, Strides::dense(out))
+    }
+
+    fn matmul_heads(
+        &self,
+        w: &DeviceWeight,
+        x: &CudaSlice<f32>,
+        xs: HeadStrides,
+        tokens: usize,
+        y: &mut CudaSlice<f32>,
+        ys: HeadStrides,
+    ) -> Result<()> {
+        let (xs, ys) = (Strides { row: xs.row, batch: xs.head }, Strides { row: ys.row, batch: ys.head });
+        let (xv, mut yv) = (x.as_view(), y.as_view_mut());
+        self.plans().gemm.run(&self.gpu, w, &xv, xs, tokens, &mut yv, ys)
+    }
+
+    fn rmsnorm(
+        &self,
+        x: &CudaSlice<f32>,
+        x_stride: usize,
+        w: &CudaSlice<f32>,
+        eps: f32,
+        rows: usize,
+        y: &mut CudaSlice<f32>,
+        y_stride: usize,
+    ) -> Result<()> {
+        rowops::rmsnorm(&self.gpu, &x.as_view(), x_stride, &w.as_view(), eps, rows, &mut y.as_view_mut(), y_stride)
+    }
+
+    fn silu_mul(&self, gu: &CudaSlice<f32>, inter: usize, rows: usize, out: &mut CudaSlice<f32>) -> Result<()> {
+        rowops::silu_mul(&self.gpu, &gu.as_view(), inter, rows, &mut out.as_view_mut())
+    }
+
+    fn q_rows(
+        &self,
+        q_latent: &CudaSlice<f32>,
+        q: &CudaSlice<f32>,
+        shape: QueryShape,
+        table: &CudaSlice<f32>,
+        tokens: usize,
+        interleave: bool,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        let (ql, qv, tv) = (q_latent.as_view(), q.as_view(), table.as_view());
+        rowops::q_rows(&self.gpu, &ql, &qv, shape, &tv, tokens, interleave, &mut out.as_view_mut())
+    }
+
+    fn kv_rows(&self, x: &KvWrite<Self>, tokens: usize, cache: &mut CudaSlice<bf16>) -> Result<()> {
+        let (kv, norm_w, table, slot) = (x.kv.as_view(), x.norm_w.as_view(), x.table.as_view(), x.slot.as_view());
+        let inputs =
+            KvRowInputs { kv: &kv, norm_w: &norm_w, eps: x.eps, table: &table, interleave: x.interleave, slot: &slot };
+        let mut plans = self.plans();
+        rowops::kv_rows(&self.gpu, &inputs, tokens, &mut cache.as_view_mut(), &mut plans.status)
+    }
+
+    fn embed(
+        &self,
+        table: &CudaSlice<bf16>,
+        hidden: usize,
+        ids: &CudaSlice<i32>,
+        tokens: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let mut plans = self.plans();
+        rowops::embed(
+            &self.gpu,
+            &table.as_view(),
+            hidden,
+            &ids.as_view(),
+            tokens,
+            &mut out.as_view_mut(),
+            &mut plans.status,
+        )
+    }
+
+    fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, n: usize) -> Result<()> {
+        rowops::add(&self.gpu, &mut x.as_view_mut(), &y.as_view(), n)
+    }
+
+    fn to_bf16(&self, x: &CudaSlice<f32>, n: usize, out: &mut CudaSlice<bf16>) -> Result<()> {
+        rowops::to_bf16(&self.gpu, &x.as_view(), n, &mut out.as_view_mut())
+    }
+
+    fn gather(
+        &self,
+        x: &CudaSlice<f32>,
+        dim: usize,
+        rows: usize,
+        idx: &CudaSlice<i32>,
+        picked: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let mut plans = self.plans();
+        let (xv, iv) = (x.as_view(), idx.as_view());
+        rowops::gather(&self.gpu, &xv, dim, rows, &iv, picked, &mut out.as_view_mut(), &mut plans.status)
+    }
+
+    fn argmax(&self, x: &CudaSlice<f32>, vocab: usize, rows: usize, out: &mut CudaSlice<i32>) -> Result<()> {
+        rowops::argmax(&self.gpu, &x.as_view(), vocab, rows, &mut out.as_view_mut())
+    }
+
+    fn attention(
+        &self,
+        q: &CudaSlice<bf16>,
+        heads: usize,
+        rows: usize,
+        inputs: &AttentionInputs<Self>,
+        softmax_scale: f32,
+        o: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let mut plans = self.plans();
+        let fits = |m: &SizedMla| m.rows >= rows && m.heads == heads && m.max_seq_len >= inputs.max_seq_len;
+        if !plans.mla.as_ref().is_some_and(fits) {
+            let (r, s) = plans
+                .mla
+                .as_ref()
+                .map_or((rows, inputs.max_seq_len), |m| (m.rows.max(rows), m.max_seq_len.max(inputs.max_seq_len)));
+            plans.mla =
+                Some(SizedMla { plan: MlaPlan::new(&self.gpu, r, heads, s, 1)?, rows: r, heads, max_seq_len: s });
+        }
+        let mla = plans.mla.as_mut().expect("made above");
+        let cache = DeviceCache {
+            rows: inputs.cache.as_view(),
+            layout: inputs.layout,
+            block_table: view(inputs.block_tables, rows * inputs.layout.pages_per_req, "block_tables")?,
+        };
+        let q = view(q, rows * heads * ROW, "q")?;
+        let seq_len = view(inputs.seq_len, rows, "seq_len")?;
+        let mut out = DeviceMlaOutput {
+            o: view_mut(o, rows * heads * crate::cpu::mla::LATENT, "o")?,
+            lse: view_mut(lse, rows * heads, "lse")?,
+        };
+        mla.plan.run_decode(&self.gpu, &q, &cache, &seq_len, inputs.max_seq_len, softmax_scale, &mut out)
+    }
+
+    fn moe(
+        &self,
+        router_logits: &CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        k: usize,
+        scaling: f64,
+        x: &CudaSlice<bf16>,
+        experts: &DeviceExperts,
+        tokens: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let mut plans = self.plans();
+        let fits = |m: &SizedMoe| m.k == k && m.tokens >= tokens;
+        if !plans.moe.as_ref().is_some_and(fits) {
+            let t = plans.moe.as_ref().map_or(tokens, |m| m.tokens.max(tokens));
+            plans.moe = Some(SizedMoe { plan: MoePlan::new(&self.gpu, experts.shape, k, t)?, k, tokens: t });
+        }
+        let moe = plans.moe.as_mut().expect("made above");
+        let (e, h) = (experts.shape.count, experts.shape.hidden);
+        moe.plan.route(
+            &self.gpu,
+            &view(router_logits, tokens * e, "router_logits")?,
+            &view(bias, e, "bias")?,
+            scaling,
+            tokens,
+        )?;
+        moe.plan.experts_forward(&self.gpu, experts, &view(x, tokens * h, "x")?, &mut view_mut(out, tokens * h, "out")?)
+    }
+
+    fn check(&self) -> Result<()> {
+        let mut plans = self.plans();
+        rowops::read_status(&self.gpu, &mut plans.status, "tokens / cache slots / rows")?;
+        if let Some(mla) = &plans.mla {
+            mla.plan.check_status(&self.gpu)?;
+        }
+        if let Some(moe) = &plans.moe {
+            moe.plan.check_status(&self.gpu)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,200 @@
+//! The backend a model runs on: it owns the tensors (host memory on the CPU, device buffers on CUDA) and
+//! provides every operation of a forward step on them, so that [`crate::model::Model`] is one code path
+//! for both and a step moves nothing between host and device but its inputs and the rows it returns.
+//!
+//! Buffers may be longer than an operation needs: every operation takes its row counts and reads and
+//! writes prefixes. Every operation gives a row's result independently of the other rows (batch
+//! invariance, DESIGN.md §4.5), and the per-row operations of [`crate::cpu::rowops`] give the same bits
+//! on both backends.
+
+use half::bf16;
+
+use crate::cpu::moe_int4::Experts;
+use crate::cpu::rowops::QueryShape;
+use crate::error::Result;
+use crate::types::KvLayout;
+
+/// An element type a backend buffer holds.
+#[cfg(not(feature = "cuda"))]
+pub trait Elem: Copy + Default + Send + Sync + 'static {}
+/// An element type a backend buffer holds.
+#[cfg(feature = "cuda")]
+pub trait Elem:
+    Copy + Default + Send + Sync + 'static + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits
+{
+}
+impl Elem for f32 {}
+impl Elem for i32 {}
+impl Elem for u32 {}
+impl Elem for bf16 {}
+
+/// Element strides of a per-head operand `[tokens, heads, features]` that may sit inside a larger row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadStrides {
+    /// Between consecutive tokens.
+    pub row: usize,
+    /// Between consecutive heads.
+    pub head: usize,
+}
+
+/// One layer's latent cache and the per-row attention inputs of a step.
+pub struct AttentionInputs<'a, B: Backend + ?Sized> {
+    /// `[num_pages, page_size, 576]` bf16 rows.
+    pub cache: &'a B::Buf<bf16>,
+    /// Page geometry (`layers` 1).
+    pub layout: KvLayout,
+    /// `[rows, pages_per_req]` page ids: each query row's sequence.
+    pub block_tables: &'a B::Buf<i32>,
+    /// `[rows]` visible slots of each query row (`0 .. seq_len`).
+    pub seq_len: &'a B::Buf<i32>,
+    /// A bound on every `seq_len` that the host knows.
+    pub max_seq_len: usize,
+}
+
+/// The inputs of a step's cache-row write ([`Backend::kv_rows`]).
+pub struct KvWrite<'a, B: Backend + ?Sized> {
+    /// `[T, 576]` f32: `kv_a_proj_with_mqa`'s output.
+    pub kv: &'a B::Buf<f32>,
+    /// `[512]` f32 `kv_a_layernorm` weight.
+    pub norm_w: &'a B::Buf<f32>,
+    /// Its epsilon.
+    pub eps: f32,
+    /// `[T, 64]` rotary table.
+    pub table: &'a B::Buf<f32>,
+    /// Interleaved rotary pairs.
+    pub interleave: bool,
+    /// `[T]` cache rows.
+    pub slot: &'a B::Buf<i32>,
+}
+
+/// The operations and storage of a backend (see the module documentation).
+pub trait Backend: Send + Sync {
+    /// A buffer of `T` on this backend.
+    type Buf<T: Elem>: Send + Sync;
+    /// A bf16 weight `[batch, out, in]` placed on this backend.
+    type Linear: Send + Sync;
+    /// One layer's INT4 routed experts placed on this backend.
+    type Experts: Send + Sync;
+
+    /// A short name for messages ("cpu", or the GPU's name).
+    fn name(&self) -> String;
+
+    /// A zeroed buffer of `len` elements.
+    fn zeros<T: Elem>(&self, len: usize) -> Result<Self::Buf<T>>;
+    /// A buffer holding `host`.
+    fn upload<T: Elem>(&self, host: &[T]) -> Result<Self::Buf<T>>;
+    /// Copies `host` into the first `host.len()` elements of `buf`.
+    fn write<T: Elem>(&self, host: &[T], buf: &mut Self::Buf<T>) -> Result<()>;
+    /// The first `len` elements of `buf`, on the host (on CUDA: waits for the queued work).
+    fn read<T: Elem>(&self, buf: &Self::Buf<T>, len: usize) -> Result<Vec<T>>;
+    /// Elements in `buf`.
+    fn len<T: Elem>(&self, buf: &Self::Buf<T>) -> usize;
+
+    /// Places `w [batch, out, inp]`.
+    fn linear(&self, w: &[bf16], batch: usize, out: usize, inp: usize) -> Result<Self::Linear>;
+    /// Places one layer's routed experts.
+    fn experts(&self, experts: &Experts) -> Result<Self::Experts>;
+
+    /// `y [tokens, out] = x [tokens, in] · wᵀ` for a one-matrix weight.
+    fn matmul(&self, w: &Self::Linear, x: &Self::Buf<f32>, tokens: usize, y: &mut Self::Buf<f32>) -> Result<()>;
+    /// Per head h: `y[t][h] = w[h] · x[t][h]` with the operands laid out by `xs` and `ys`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_heads(
+        &self,
+        w: &Self::Linear,
+        x: &Self::Buf<f32>,
+        xs: HeadStrides,
+        tokens: usize,
+        y: &mut Self::Buf<f32>,
+        ys: HeadStrides,
+    ) -> Result<()>;
+
+    /// RMSNorm of `rows` rows of `w`'s length at the given row strides.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm(
+        &self,
+        x: &Self::Buf<f32>,
+        x_stride: usize,
+        w: &Self::Buf<f32>,
+        eps: f32,
+        rows: usize,
+        y: &mut Self::Buf<f32>,
+        y_stride: usize,
+    ) -> Result<()>;
+    /// `out [rows, inter] = SiLU(gate) · up` of `gu [rows, 2·inter]`.
+    fn silu_mul(&self, gu: &Self::Buf<f32>, inter: usize, rows: usize, out: &mut Self::Buf<f32>) -> Result<()>;
+    /// The attention's bf16 query rows `[tokens, heads, 576]`.
+    #[allow(clippy::too_many_arguments)]
+    fn q_rows(
+        &self,
+        q_latent: &Self::Buf<f32>,
+        q: &Self::Buf<f32>,
+        shape: QueryShape,
+        table: &Self::Buf<f32>,
+        tokens: usize,
+        interleave: bool,
+        out: &mut Self::Buf<bf16>,
+    ) -> Result<()>;
+    /// Writes `tokens` cache rows into `cache`.
+    fn kv_rows(&self, x: &KvWrite<Self>, tokens: usize, cache: &mut Self::Buf<bf16>) -> Result<()>;
+    /// `out [tokens, hidden]` = rows `ids` of the embedding `table`.
+    fn embed(
+        &self,
+        table: &Self::Buf<bf16>,
+        hidden: usize,
+        ids: &Self::Buf<i32>,
+        tokens: usize,
+        out: &mut Self::Buf<f32>,
+    ) -> Result<()>;
+    /// `x[..n] += y[..n]`.
+    fn add(&self, x: &mut Self::Buf<f32>, y: &Self::Buf<f32>, n: usize) -> Result<()>;
+    /// `out[..n] = bf16(x[..n])`.
+    fn to_bf16(&self, x: &Self::Buf<f32>, n: usize, out: &mut Self::Buf<bf16>) -> Result<()>;
+    /// `out [picked, dim]` = rows `idx[..picked]` of `x [rows, dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gather(
+        &self,
+        x: &Self::Buf<f32>,
+        dim: usize,
+        rows: usize,
+        idx: &Self::Buf<i32>,
+        picked: usize,
+        out: &mut Self::Buf<f32>,
+    ) -> Result<()>;
+    /// `out[r]` = argmax of row r of `x [rows, vocab]`.
+    fn argmax(&self, x: &Self::Buf<f32>, vocab: usize, rows: usize, out: &mut Self::Buf<i32>) -> Result<()>;
+
+    /// Absorbed MLA attention of `rows` query rows `q [rows, heads, 576]`, each over its own sequence:
+    /// `o [rows, heads, 512]`, `lse [rows, heads]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &Self::Buf<bf16>,
+        heads: usize,
+        rows: usize,
+        inputs: &AttentionInputs<Self>,
+        softmax_scale: f32,
+        o: &mut Self::Buf<f32>,
+        lse: &mut Self::Buf<f32>,
+    ) -> Result<()>;
+
+    /// The routed experts of `tokens` tokens: routing of `router_logits [tokens, E]` with `bias` (top
+    /// `k`, weights times `scaling`), then the INT4 experts over `x [tokens, H]` bf16 into `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn moe(
+        &self,
+        router_logits: &Self::Buf<f32>,
+        bias: &Self::Buf<f32>,
+        k: usize,
+        scaling: f64,
+        x: &Self::Buf<bf16>,
+        experts: &Self::Experts,
+        tokens: usize,
+        out: &mut Self::Buf<f32>,
+    ) -> Result<()>;
+
+    /// Reports what the operations since the last check found wrong on the device (a bad index, a page
+    /// outside the cache); on the CPU every operation reports at once, so this is always Ok. One host
+    /// round trip on CUDA.
+    fn check(&self) -> Result<()>;
+}
