@@ -13,7 +13,7 @@ use kdtree_engine::fixture::Fixture;
 use kdtree_engine::model::backend::Backend;
 use kdtree_engine::model::config::Config;
 use kdtree_engine::model::weights::Checkpoint;
-use kdtree_engine::model::{KvCache, Logits, Model, Tokenizer};
+use kdtree_engine::model::{KvCache, Logits, Model, StepRequest, Tokenizer, TreeInput};
 use kdtree_engine::Error;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
@@ -265,6 +265,164 @@ fn check_prefill_equals_decoding<B: Backend>(model: &Model<B>) {
     }
 }
 
+/// A draft tree over the prompt: root(0) -> 1 -> 2 -> 3, root -> 4 -> 5, 1 -> 6; tokens, depths, parents.
+const TREE_TOKENS: [u32; 7] = [100, 200, 300, 400, 500, 600, 700];
+const TREE_DEPTH: [u32; 7] = [0, 1, 2, 3, 1, 2, 2];
+const TREE_PARENT: [usize; 7] = [0, 0, 1, 2, 0, 4, 1];
+
+/// Each node's path from the root, and the visibility bits (itself and its ancestors) of N <= 32 rows.
+fn tree_paths() -> (Vec<Vec<u32>>, Vec<u32>) {
+    let mut paths = Vec::new();
+    let mut visibility = Vec::new();
+    for (i, &token) in TREE_TOKENS.iter().enumerate() {
+        let (mut node, mut path, mut bits) = (i, vec![token], 1u32 << i);
+        while node != 0 {
+            node = TREE_PARENT[node];
+            path.insert(0, TREE_TOKENS[node]);
+            bits |= 1 << node;
+        }
+        paths.push(path);
+        visibility.push(bits);
+    }
+    (paths, visibility)
+}
+
+/// A cache holding `prompt` for sequence 0 of a fresh cache.
+fn prefilled<B: Backend>(model: &Model<B>, prompt: &[u32]) -> (KvCache<B>, usize) {
+    let mut cache = cache(model);
+    let seq = cache.add_sequence();
+    model.forward(&mut cache, &[(seq, prompt)], Logits::Last).unwrap();
+    (cache, seq)
+}
+
+/// Each tree row's logits are the bits of decoding its path after the prompt, and the tree leaves the
+/// sequence's committed length where it was.
+fn check_tree_rows_equal_their_paths<B: Backend>(model: &Model<B>) {
+    let prompt = ids(&case("capital"), "input_ids");
+    let (paths, visibility) = tree_paths();
+    let vocab = model.config().vocab_size;
+    let (mut cache, seq) = prefilled(model, &prompt);
+    let tree = TreeInput { depth: &TREE_DEPTH, visibility: &visibility };
+    let request = StepRequest { seq, tokens: &TREE_TOKENS, tree: Some(tree) };
+    let rows = model.step(&mut cache, &[request], Logits::Last).unwrap();
+    assert_eq!(rows.len(), TREE_TOKENS.len() * vocab, "a tree returns every row");
+    assert_eq!(cache.len(seq).unwrap(), prompt.len(), "a tree does not advance the sequence");
+    for (i, path) in paths.iter().enumerate() {
+        let (mut own, s) = prefilled(model, &prompt);
+        let want = model.forward(&mut own, &[(s, path)], Logits::Last).unwrap();
+        assert!(rows[i * vocab..(i + 1) * vocab] == want[..], "tree row {i} differs from decoding its path {path:?}");
+    }
+    let root = model.forward(&mut cache, &[(seq, &TREE_TOKENS[..1])], Logits::Last).unwrap();
+    assert!(root[..] == rows[..vocab], "decoding the root after the tree differs from its tree row");
+}
+
+#[test]
+fn tree_rows_equal_decoding_their_paths() {
+    check_tree_rows_equal_their_paths(&Model::load(tiny_dir()).unwrap());
+}
+
+/// Eight sequences in one step, two prefilling, three decoding and three verifying a tree, give the bits
+/// each gets alone.
+fn check_mixed_step_is_batch_invariant<B: Backend>(model: &Model<B>) {
+    let prompts: Vec<Vec<u32>> = (0..8)
+        .map(|i| {
+            let p = ids(&case(CASES[i % CASES.len()]), "input_ids");
+            p[..p.len().min(2 + i % 3)].to_vec()
+        })
+        .collect();
+    let (_, visibility) = tree_paths();
+    let vocab = model.config().vocab_size;
+    let steps: Vec<Vec<u32>> = (0..8u32).map(|i| if i < 2 { vec![40 + i, 41, 42] } else { vec![60 + i] }).collect();
+    let request = |i: usize, seq: usize| -> StepRequest {
+        match i {
+            0..=4 => StepRequest { seq, tokens: &steps[i], tree: None },
+            _ => StepRequest {
+                seq,
+                tokens: &TREE_TOKENS,
+                tree: Some(TreeInput { depth: &TREE_DEPTH, visibility: &visibility }),
+            },
+        }
+    };
+    // Sequences 0 and 1 start empty (their step is their prefill); the others hold their prompt first.
+    let mut cache = cache(model);
+    let seqs: Vec<usize> = (0..8).map(|_| cache.add_sequence()).collect();
+    for (&seq, prompt) in seqs.iter().zip(&prompts).skip(2) {
+        model.forward(&mut cache, &[(seq, prompt)], Logits::Last).unwrap();
+    }
+    let batch: Vec<StepRequest> = (0..8).map(|i| request(i, seqs[i])).collect();
+    let together = model.step(&mut cache, &batch, Logits::All).unwrap();
+    let mut start = 0;
+    for (i, prompt) in prompts.iter().enumerate() {
+        let mut own = self::cache(model);
+        let seq = own.add_sequence();
+        if i >= 2 {
+            model.forward(&mut own, &[(seq, prompt)], Logits::Last).unwrap();
+        }
+        let alone = model.step(&mut own, &[request(i, seq)], Logits::All).unwrap();
+        assert!(
+            together[start..start + alone.len()] == alone[..],
+            "request {i}: rows in the mixed step differ from alone"
+        );
+        start += alone.len();
+    }
+    assert_eq!(start, together.len());
+    assert_eq!(together.len(), (2 * 3 + 3 + 3 * TREE_TOKENS.len()) * vocab);
+}
+
+#[test]
+fn a_mixed_step_of_prefill_decode_and_tree_rows_is_batch_invariant() {
+    check_mixed_step_is_batch_invariant(&Model::load(tiny_dir()).unwrap());
+}
+
+/// Trees that the step cannot take are errors naming the problem, before anything is written.
+#[test]
+fn bad_trees_are_errors() {
+    let model = Model::load(tiny_dir()).unwrap();
+    let (mut cache, seq) = prefilled(&model, &[1, 2, 3]);
+    let other = cache.add_sequence();
+    let (_, visibility) = tree_paths();
+    let tree = TreeInput { depth: &TREE_DEPTH, visibility: &visibility };
+    let bad_depth = [0u32, 1, 2, 3, 1, 2, 0];
+    let cases: [(Vec<StepRequest>, &str); 4] = [
+        (vec![StepRequest { seq, tokens: &TREE_TOKENS[..6], tree: Some(tree) }], "tree depth"),
+        (
+            vec![StepRequest {
+                seq,
+                tokens: &TREE_TOKENS,
+                tree: Some(TreeInput { depth: &bad_depth, visibility: &visibility }),
+            }],
+            "tree depth",
+        ),
+        (
+            vec![
+                StepRequest { seq, tokens: &TREE_TOKENS, tree: Some(tree) },
+                StepRequest { seq: other, tokens: &[5], tree: None },
+            ],
+            "batch",
+        ),
+        (
+            vec![
+                StepRequest { seq, tokens: &TREE_TOKENS, tree: Some(tree) },
+                StepRequest {
+                    seq: other,
+                    tokens: &TREE_TOKENS[..3],
+                    tree: Some(TreeInput { depth: &[0, 1, 2], visibility: &[1, 3, 7] }),
+                },
+            ],
+            "tree rows",
+        ),
+    ];
+    for (requests, field) in cases {
+        let err = model.step(&mut cache, &requests, Logits::Last).unwrap_err();
+        let name = match &err {
+            Error::Param { name, .. } | Error::Shape { name, .. } => *name,
+            other => panic!("{field}: unexpected error {other}"),
+        };
+        assert_eq!(name, field, "{err}");
+    }
+    assert_eq!(cache.len(seq).unwrap(), 3);
+}
+
 #[test]
 fn prefill_equals_token_by_token_decoding() {
     check_prefill_equals_decoding(&Model::load(tiny_dir()).unwrap());
@@ -436,6 +594,22 @@ mod cuda {
             return;
         }
         check_batch_invariance(&cuda_model(&tiny_dir()));
+    }
+
+    #[test]
+    fn cuda_tree_rows_equal_decoding_their_paths() {
+        if common::gpu().is_none() {
+            return;
+        }
+        check_tree_rows_equal_their_paths(&cuda_model(&tiny_dir()));
+    }
+
+    #[test]
+    fn cuda_mixed_step_of_prefill_decode_and_tree_rows_is_batch_invariant() {
+        if common::gpu().is_none() {
+            return;
+        }
+        check_mixed_step_is_batch_invariant(&cuda_model(&tiny_dir()));
     }
 
     #[test]

@@ -3,11 +3,11 @@
 use half::bf16;
 
 use crate::cpu::gemm_bf16::gemm_bf16;
-use crate::cpu::mla::{mla_decode, PagedCache, LATENT};
+use crate::cpu::mla::{mla_decode, tree_verify, MlaOutput, PagedCache, LATENT, ROW};
 use crate::cpu::moe_int4::{moe_int4, route, Experts, Int4Matrix, Int4Owned};
 use crate::cpu::rowops::{self, QueryShape};
 use crate::error::{check_len, Error, Result};
-use crate::model::backend::{AttentionInputs, Backend, Elem, HeadStrides, KvWrite};
+use crate::model::backend::{AttentionInputs, Backend, Elem, HeadStrides, KvWrite, TreeRows};
 
 /// The CPU backend (see the module documentation).
 #[derive(Clone, Copy, Debug, Default)]
@@ -62,6 +62,21 @@ fn gather_strided(src: &[f32], offset: usize, row: usize, rows: usize, features:
         out.extend_from_slice(prefix("x", src.get(start..).unwrap_or(&[]), features)?);
     }
     Ok(out)
+}
+
+/// Query rows `first_row .. first_row + rows` of `q [.., heads, 576]`.
+fn query_rows(q: &[bf16], heads: usize, first_row: usize, rows: usize) -> Result<&[bf16]> {
+    let width = heads * ROW;
+    let all = prefix("q", q, (first_row + rows) * width)?;
+    Ok(&all[first_row * width..])
+}
+
+/// Writes an attention output into rows `first_row ..` of `o` and `lse`.
+fn write_rows(got: &MlaOutput, heads: usize, first_row: usize, o: &mut [f32], lse: &mut [f32]) -> Result<()> {
+    let (o_start, lse_start) = (first_row * heads * LATENT, first_row * heads);
+    prefix_mut("o", o, o_start + got.o.len())?[o_start..].copy_from_slice(&got.o);
+    prefix_mut("lse", lse, lse_start + got.lse.len())?[lse_start..].copy_from_slice(&got.lse);
+    Ok(())
 }
 
 impl Backend for CpuBackend {
@@ -181,13 +196,13 @@ impl Backend for CpuBackend {
             shape,
             prefix("rope table", table, tokens * rowops::ROPE_TABLE)?,
             interleave,
-            prefix_mut("out", out, rows * crate::cpu::mla::ROW)?,
+            prefix_mut("out", out, rows * ROW)?,
         )
     }
 
     fn kv_rows(&self, x: &KvWrite<Self>, tokens: usize, cache: &mut Vec<bf16>) -> Result<()> {
         rowops::kv_rows(
-            prefix("kv", x.kv, tokens * crate::cpu::mla::ROW)?,
+            prefix("kv", x.kv, tokens * ROW)?,
             x.norm_w,
             x.eps,
             prefix("rope table", x.table, tokens * rowops::ROPE_TABLE)?,
@@ -234,6 +249,7 @@ impl Backend for CpuBackend {
         &self,
         q: &Vec<bf16>,
         heads: usize,
+        first_row: usize,
         rows: usize,
         inputs: &AttentionInputs<Self>,
         softmax_scale: f32,
@@ -243,11 +259,30 @@ impl Backend for CpuBackend {
         let tables = prefix("block_tables", inputs.block_tables, rows * inputs.layout.pages_per_req)?;
         let cache = PagedCache { rows: inputs.cache, layout: inputs.layout, block_table: tables };
         let seq_len = prefix("seq_len", inputs.seq_len, rows)?;
-        let q = prefix("q", q, rows * heads * crate::cpu::mla::ROW)?;
-        let got = mla_decode(q, heads, &cache, seq_len, softmax_scale)?;
-        prefix_mut("o", o, got.o.len())?.copy_from_slice(&got.o);
-        prefix_mut("lse", lse, got.lse.len())?.copy_from_slice(&got.lse);
-        Ok(())
+        let got = mla_decode(query_rows(q, heads, first_row, rows)?, heads, &cache, seq_len, softmax_scale)?;
+        write_rows(&got, heads, first_row, o, lse)
+    }
+
+    fn tree_attention(
+        &self,
+        q: &Vec<bf16>,
+        heads: usize,
+        first_row: usize,
+        shape: TreeRows,
+        inputs: &AttentionInputs<Self>,
+        visibility: &Vec<u32>,
+        softmax_scale: f32,
+        o: &mut Vec<f32>,
+        lse: &mut Vec<f32>,
+    ) -> Result<()> {
+        let TreeRows { bs, n_rows } = shape;
+        let tables = prefix("block_tables", inputs.block_tables, bs * inputs.layout.pages_per_req)?;
+        let cache = PagedCache { rows: inputs.cache, layout: inputs.layout, block_table: tables };
+        let seq_len = prefix("seq_len", inputs.seq_len, bs)?;
+        let vis = prefix("visibility", visibility, bs * n_rows * n_rows.div_ceil(32))?;
+        let q = query_rows(q, heads, first_row, bs * n_rows)?;
+        let got = tree_verify(q, n_rows, heads, &cache, seq_len, vis, softmax_scale)?;
+        write_rows(&got, heads, first_row, o, lse)
     }
 
     fn moe(

@@ -19,14 +19,69 @@ use crate::cpu::mla::ROW;
 use crate::cpu::moe_int4::Experts;
 use crate::cpu::rowops::QueryShape;
 use crate::error::{Error, Result};
-use crate::model::backend::{AttentionInputs, Backend, Elem, HeadStrides, KvWrite};
+use crate::model::backend::{AttentionInputs, Backend, Elem, HeadStrides, KvWrite, TreeRows};
 
-/// An MLA plan with the maxima it was made for.
+/// An MLA plan with the maxima it was made for: requests, rows per request, heads, sequence length.
 struct SizedMla {
     plan: MlaPlan,
+    dims: (usize, usize, usize, usize),
+}
+
+impl SizedMla {
+    /// The plan in `slot`, remade (with the larger of the old and the asked maxima) unless it covers `dims`.
+    fn fit<'a>(
+        gpu: &Gpu,
+        slot: &'a mut Option<SizedMla>,
+        dims: (usize, usize, usize, usize),
+    ) -> Result<&'a mut MlaPlan> {
+        let (bs, rows, heads, seq) = dims;
+        let covers = |m: &SizedMla| m.dims.0 >= bs && m.dims.1 == rows && m.dims.2 == heads && m.dims.3 >= seq;
+        if !slot.as_ref().is_some_and(covers) {
+            let keep = slot.as_ref().filter(|m| m.dims.1 == rows && m.dims.2 == heads);
+            let dims = keep.map_or(dims, |m| (m.dims.0.max(bs), rows, heads, m.dims.3.max(seq)));
+            *slot = None;
+            *slot = Some(SizedMla { plan: MlaPlan::new(gpu, dims.0, heads, dims.3, rows)?, dims });
+        }
+        Ok(&mut slot.as_mut().expect("made above").plan)
+    }
+}
+
+/// One layer's cache for `requests` block-table rows.
+fn device_cache<'a>(inputs: &'a AttentionInputs<CudaBackend>, requests: usize) -> Result<DeviceCache<'a>> {
+    Ok(DeviceCache {
+        rows: inputs.cache.as_view(),
+        layout: inputs.layout,
+        block_table: view(inputs.block_tables, requests * inputs.layout.pages_per_req, "block_tables")?,
+    })
+}
+
+/// Rows `first .. first + rows` of a buffer of rows of `width` elements.
+fn rows_of<'a, T: Elem>(
+    buf: &'a CudaSlice<T>,
+    first: usize,
     rows: usize,
+    width: usize,
+    name: &'static str,
+) -> Result<CudaView<'a, T>> {
+    view(buf, (first + rows) * width, name)?;
+    Ok(buf.slice(first * width..(first + rows) * width))
+}
+
+/// The attention outputs of rows `first .. first + rows`.
+fn output_rows<'a>(
+    o: &'a mut CudaSlice<f32>,
+    lse: &'a mut CudaSlice<f32>,
     heads: usize,
-    max_seq_len: usize,
+    first: usize,
+    rows: usize,
+) -> Result<DeviceMlaOutput<'a>> {
+    let (o_width, end) = (heads * crate::cpu::mla::LATENT, first + rows);
+    view_mut(o, end * o_width, "o")?;
+    view_mut(lse, end * heads, "lse")?;
+    Ok(DeviceMlaOutput {
+        o: o.slice_mut(first * o_width..end * o_width),
+        lse: lse.slice_mut(first * heads..end * heads),
+    })
 }
 
 /// A MoE plan with the top-k and tokens it was made for.
@@ -39,6 +94,7 @@ struct SizedMoe {
 struct Plans {
     gemm: GemmPlan,
     mla: Option<SizedMla>,
+    tree_mla: Option<SizedMla>,
     moe: Option<SizedMoe>,
     /// Status word of the indexing row operations (embedding ids, cache slots, gathered rows).
     status: CudaSlice<i32>,
@@ -53,7 +109,8 @@ pub struct CudaBackend {
 impl CudaBackend {
     /// A backend on `gpu`.
     pub fn new(gpu: Gpu) -> Result<Self> {
-        let plans = Plans { gemm: GemmPlan::new(&gpu, 1, &[])?, mla: None, moe: None, status: gpu.zeros(1)? };
+        let plans =
+            Plans { gemm: GemmPlan::new(&gpu, 1, &[])?, mla: None, tree_mla: None, moe: None, status: gpu.zeros(1)? };
         Ok(CudaBackend { gpu, plans: Mutex::new(plans) })
     }
 
@@ -243,6 +300,7 @@ impl Backend for CudaBackend {
         &self,
         q: &CudaSlice<bf16>,
         heads: usize,
+        first_row: usize,
         rows: usize,
         inputs: &AttentionInputs<Self>,
         softmax_scale: f32,
@@ -250,28 +308,35 @@ impl Backend for CudaBackend {
         lse: &mut CudaSlice<f32>,
     ) -> Result<()> {
         let mut plans = self.plans();
-        let fits = |m: &SizedMla| m.rows >= rows && m.heads == heads && m.max_seq_len >= inputs.max_seq_len;
-        if !plans.mla.as_ref().is_some_and(fits) {
-            let (r, s) = plans
-                .mla
-                .as_ref()
-                .map_or((rows, inputs.max_seq_len), |m| (m.rows.max(rows), m.max_seq_len.max(inputs.max_seq_len)));
-            plans.mla =
-                Some(SizedMla { plan: MlaPlan::new(&self.gpu, r, heads, s, 1)?, rows: r, heads, max_seq_len: s });
-        }
-        let mla = plans.mla.as_mut().expect("made above");
-        let cache = DeviceCache {
-            rows: inputs.cache.as_view(),
-            layout: inputs.layout,
-            block_table: view(inputs.block_tables, rows * inputs.layout.pages_per_req, "block_tables")?,
-        };
-        let q = view(q, rows * heads * ROW, "q")?;
+        let mla = SizedMla::fit(&self.gpu, &mut plans.mla, (rows, 1, heads, inputs.max_seq_len))?;
+        let cache = device_cache(inputs, rows)?;
+        let q = rows_of(q, first_row, rows, heads * ROW, "q")?;
         let seq_len = view(inputs.seq_len, rows, "seq_len")?;
-        let mut out = DeviceMlaOutput {
-            o: view_mut(o, rows * heads * crate::cpu::mla::LATENT, "o")?,
-            lse: view_mut(lse, rows * heads, "lse")?,
-        };
-        mla.plan.run_decode(&self.gpu, &q, &cache, &seq_len, inputs.max_seq_len, softmax_scale, &mut out)
+        let mut out = output_rows(o, lse, heads, first_row, rows)?;
+        mla.run_decode(&self.gpu, &q, &cache, &seq_len, inputs.max_seq_len, softmax_scale, &mut out)
+    }
+
+    fn tree_attention(
+        &self,
+        q: &CudaSlice<bf16>,
+        heads: usize,
+        first_row: usize,
+        shape: TreeRows,
+        inputs: &AttentionInputs<Self>,
+        visibility: &CudaSlice<u32>,
+        softmax_scale: f32,
+        o: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let TreeRows { bs, n_rows } = shape;
+        let mut plans = self.plans();
+        let mla = SizedMla::fit(&self.gpu, &mut plans.tree_mla, (bs, n_rows, heads, inputs.max_seq_len))?;
+        let cache = device_cache(inputs, bs)?;
+        let q = rows_of(q, first_row, bs * n_rows, heads * ROW, "q")?;
+        let seq_len = view(inputs.seq_len, bs, "seq_len")?;
+        let vis = view(visibility, bs * n_rows * n_rows.div_ceil(32), "visibility")?;
+        let mut out = output_rows(o, lse, heads, first_row, bs * n_rows)?;
+        mla.run_tree_verify(&self.gpu, &q, n_rows, &cache, &seq_len, inputs.max_seq_len, &vis, softmax_scale, &mut out)
     }
 
     fn moe(
@@ -306,7 +371,7 @@ impl Backend for CudaBackend {
     fn check(&self) -> Result<()> {
         let mut plans = self.plans();
         rowops::read_status(&self.gpu, &mut plans.status, "tokens / cache slots / rows")?;
-        if let Some(mla) = &plans.mla {
+        for mla in [&plans.mla, &plans.tree_mla].into_iter().flatten() {
             mla.plan.check_status(&self.gpu)?;
         }
         if let Some(moe) = &plans.moe {

@@ -51,6 +51,15 @@ pub struct AttentionInputs<'a, B: Backend + ?Sized> {
     pub max_seq_len: usize,
 }
 
+/// The shape of a step's tree rows: `bs` requests of `n_rows` rows each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TreeRows {
+    /// Requests with a tree.
+    pub bs: usize,
+    /// Rows of each tree (root included).
+    pub n_rows: usize,
+}
+
 /// The inputs of a step's cache-row write ([`Backend::kv_rows`]).
 pub struct KvWrite<'a, B: Backend + ?Sized> {
     /// `[T, 576]` f32: `kv_a_proj_with_mqa`'s output.
@@ -164,15 +173,34 @@ pub trait Backend: Send + Sync {
     /// `out[r]` = argmax of row r of `x [rows, vocab]`.
     fn argmax(&self, x: &Self::Buf<f32>, vocab: usize, rows: usize, out: &mut Self::Buf<i32>) -> Result<()>;
 
-    /// Absorbed MLA attention of `rows` query rows `q [rows, heads, 576]`, each over its own sequence:
-    /// `o [rows, heads, 512]`, `lse [rows, heads]`.
+    /// Absorbed MLA attention of `rows` query rows, rows `first_row ..` of `q [.., heads, 576]`, each over
+    /// its own sequence (`inputs` row r for query row `first_row + r`), into the same rows of
+    /// `o [.., heads, 512]` and `lse [.., heads]`.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         q: &Self::Buf<bf16>,
         heads: usize,
+        first_row: usize,
         rows: usize,
         inputs: &AttentionInputs<Self>,
+        softmax_scale: f32,
+        o: &mut Self::Buf<f32>,
+        lse: &mut Self::Buf<f32>,
+    ) -> Result<()>;
+
+    /// Tree verify of `bs` requests of `n_rows` tree rows each, rows `first_row ..` of `q`, `o` and `lse`:
+    /// request b's row i attends to its prefix (`inputs.seq_len[b]` slots) and to the tree rows set in
+    /// its row of `visibility [bs, n_rows, ceil(n_rows / 32)]`, which sit at slots `seq_len[b] + j`.
+    #[allow(clippy::too_many_arguments)]
+    fn tree_attention(
+        &self,
+        q: &Self::Buf<bf16>,
+        heads: usize,
+        first_row: usize,
+        shape: TreeRows,
+        inputs: &AttentionInputs<Self>,
+        visibility: &Self::Buf<u32>,
         softmax_scale: f32,
         o: &mut Self::Buf<f32>,
         lse: &mut Self::Buf<f32>,

@@ -18,8 +18,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::cpu::backend::CpuBackend;
 use crate::cpu::mla::{LATENT, ROPE, ROW};
 use crate::cpu::rowops::{QueryShape, ROPE_TABLE};
-use crate::error::{Error, Result};
-use crate::model::backend::{AttentionInputs, Backend, HeadStrides, KvWrite};
+use crate::error::{check_len, Error, Result};
+use crate::model::backend::{AttentionInputs, Backend, HeadStrides, KvWrite, TreeRows};
 use crate::model::config::Config;
 use crate::model::layers::{self, MlaWeights, QueryProj};
 use crate::model::rope::Rope;
@@ -168,6 +168,9 @@ struct Scratch<B: Backend> {
     slot: B::Buf<i32>,
     block_tables: B::Buf<i32>,
     seq_len: B::Buf<i32>,
+    tree_tables: B::Buf<i32>,
+    tree_prefix: B::Buf<i32>,
+    visibility: B::Buf<u32>,
     pick: B::Buf<i32>,
     last: B::Buf<f32>,
     last_normed: B::Buf<f32>,
@@ -205,6 +208,9 @@ impl<B: Backend> Scratch<B> {
             slot: b.zeros(t)?,
             block_tables: b.zeros(t * pages_per_req)?,
             seq_len: b.zeros(t)?,
+            tree_tables: b.zeros(t * pages_per_req)?,
+            tree_prefix: b.zeros(t)?,
+            visibility: b.zeros(t * t.div_ceil(32))?,
             pick: b.zeros(picked)?,
             last: b.zeros(picked * h)?,
             last_normed: b.zeros(picked * h)?,
@@ -235,7 +241,39 @@ pub enum Logits {
     Last,
 }
 
-/// A step's host-side plan: what is uploaded, and the rows to return.
+/// One sequence's part of a step ([`Model::step`]).
+#[derive(Clone, Copy, Debug)]
+pub struct StepRequest<'a> {
+    /// The sequence's id in the cache.
+    pub seq: usize,
+    /// New tokens (a prefill chunk or a decode token), or a draft tree's node tokens, root first.
+    pub tokens: &'a [u32],
+    /// When set, `tokens` are tree rows: they are written past the sequence's cached length, attend to
+    /// their ancestors only, and do not advance the sequence (the accept step compacts and commits).
+    pub tree: Option<TreeInput<'a>>,
+}
+
+/// A draft tree's rows for [`StepRequest::tree`], as the tree build lays them out.
+#[derive(Clone, Copy, Debug)]
+pub struct TreeInput<'a> {
+    /// Depth of each node (the root 0): row i sits at position `len + depth[i]` and cache slot `len + i`.
+    pub depth: &'a [u32],
+    /// `[N, ceil(N / 32)]` bits: row i attends to the tree rows whose bits are set (itself and its
+    /// ancestors).
+    pub visibility: &'a [u32],
+}
+
+/// The tree part of a step: `shape` requests with their block tables, prefix lengths and visibility.
+struct TreeStep {
+    shape: TreeRows,
+    block_tables: Vec<i32>,
+    prefix: Vec<i32>,
+    visibility: Vec<u32>,
+    max_seq_len: usize,
+}
+
+/// A step's host-side plan: what is uploaded, and the rows to return. Rows are in request order; the
+/// first `decode_rows` attend as decode rows, the rest are tree rows.
 struct StepInputs {
     ids: Vec<i32>,
     positions: Vec<usize>,
@@ -243,6 +281,8 @@ struct StepInputs {
     block_tables: Vec<i32>,
     seq_len: Vec<i32>,
     max_seq_len: usize,
+    decode_rows: usize,
+    tree: Option<TreeStep>,
     pick: Vec<i32>,
 }
 
@@ -327,30 +367,44 @@ impl<B: Backend> Model<B> {
     /// Runs `batch` (sequence id in `cache`, its new tokens) one step: appends the tokens' latent rows to
     /// the cache and returns `[rows, vocab]` float32 logits for the positions `which` asks for.
     pub fn forward(&self, cache: &mut KvCache<B>, batch: &[(usize, &[u32])], which: Logits) -> Result<Vec<f32>> {
-        let vocab = self.config.vocab_size;
-        self.step(cache, batch, which, |b, s, rows| b.read(&s.logits, rows * vocab))
+        self.step(cache, &plain_requests(batch), which)
     }
 
-    /// Like [`Model::forward`], but returns only the argmax token of each chosen row, computed where the
-    /// backend lives (one small read-back instead of the logits).
-    pub fn forward_argmax(&self, cache: &mut KvCache<B>, batch: &[(usize, &[u32])], which: Logits) -> Result<Vec<u32>> {
+    /// Runs one step of any mix of prefill chunks, decode tokens and draft trees (tree requests after
+    /// every other request; every tree of a step has the same number of rows) and returns `[rows, vocab]`
+    /// logits: with [`Logits::Last`] the last row of each prefill or decode request and every row of each
+    /// tree, with [`Logits::All`] every row, in request order.
+    pub fn step(&self, cache: &mut KvCache<B>, requests: &[StepRequest], which: Logits) -> Result<Vec<f32>> {
         let vocab = self.config.vocab_size;
-        let ids = self.step(cache, batch, which, |b, s, rows| {
+        self.run_step(cache, requests, which, |b, s, rows| b.read(&s.logits, rows * vocab))
+    }
+
+    /// Like [`Model::step`], but returns only the argmax token of each chosen row, computed where the
+    /// backend lives.
+    pub fn step_argmax(&self, cache: &mut KvCache<B>, requests: &[StepRequest], which: Logits) -> Result<Vec<u32>> {
+        let vocab = self.config.vocab_size;
+        let ids = self.run_step(cache, requests, which, |b, s, rows| {
             b.argmax(&s.logits, vocab, rows, &mut s.argmax)?;
             b.read(&s.argmax, rows)
         })?;
         Ok(ids.into_iter().map(|t| t as u32).collect())
     }
 
+    /// Like [`Model::forward`], but returns only the argmax token of each chosen row, computed where the
+    /// backend lives (one small read-back instead of the logits).
+    pub fn forward_argmax(&self, cache: &mut KvCache<B>, batch: &[(usize, &[u32])], which: Logits) -> Result<Vec<u32>> {
+        self.step_argmax(cache, &plain_requests(batch), which)
+    }
+
     /// One step up to the chosen rows' logits in the scratch, then `finish` reads what the caller wants.
-    fn step<T>(
+    fn run_step<T>(
         &self,
         cache: &mut KvCache<B>,
-        batch: &[(usize, &[u32])],
+        requests: &[StepRequest],
         which: Logits,
         finish: impl FnOnce(&B, &mut Scratch<B>, usize) -> Result<T>,
     ) -> Result<T> {
-        let inputs = self.plan_step(cache, batch, which)?;
+        let inputs = self.plan_step(cache, requests, which)?;
         let b = &self.backend;
         let (tokens, picked) = (inputs.ids.len(), inputs.pick.len());
         let mut guard = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
@@ -371,7 +425,7 @@ impl<B: Backend> Model<B> {
             self.feed_forward(&layer.ffn, tokens, s)?;
             b.add(&mut s.x, &s.out, tokens * h)?;
         }
-        cache.advance(batch);
+        cache.advance(requests);
         b.gather(&s.x, h, tokens, &s.pick, picked, &mut s.last)?;
         self.norm.run(b, &s.last, picked, &mut s.last_normed)?;
         b.matmul(&self.lm_head, &s.last_normed, picked, &mut s.logits)?;
@@ -380,55 +434,70 @@ impl<B: Backend> Model<B> {
         Ok(result)
     }
 
-    /// Checks the batch, reserves its cache pages (an error here leaves every cache row as it was) and
-    /// lays out the step's inputs.
-    fn plan_step(&self, cache: &mut KvCache<B>, batch: &[(usize, &[u32])], which: Logits) -> Result<StepInputs> {
-        let vocab = self.config.vocab_size;
-        let mut inputs = StepInputs {
+    /// Checks the requests, reserves their cache pages (an error here leaves every cache row as it was)
+    /// and lays out the step's inputs.
+    fn plan_step(&self, cache: &mut KvCache<B>, requests: &[StepRequest], which: Logits) -> Result<StepInputs> {
+        check_requests(requests, self.config.vocab_size)?;
+        for r in requests {
+            let start = cache.len(r.seq)?;
+            cache.reserve(r.seq, start + r.tokens.len())?;
+        }
+        let mut x = StepInputs {
             ids: Vec::new(),
             positions: Vec::new(),
             slot: Vec::new(),
             block_tables: Vec::new(),
             seq_len: Vec::new(),
             max_seq_len: 0,
+            decode_rows: 0,
+            tree: None,
             pick: Vec::new(),
         };
-        for (i, &(seq, ids)) in batch.iter().enumerate() {
-            if batch[..i].iter().any(|&(other, _)| other == seq) {
-                return Err(Error::param("batch", seq, "a sequence may appear only once per forward call"));
+        for r in requests {
+            let start = cache.len(r.seq)?;
+            let table = cache.block_table(r.seq)?;
+            for (j, &id) in r.tokens.iter().enumerate() {
+                let pos = start + r.tree.map_or(j, |t| t.depth[j] as usize);
+                x.ids.push(id as i32);
+                x.positions.push(pos);
+                x.slot.push(cache.slot_row(&table, start + j)?);
+                if which == Logits::All || r.tree.is_some() {
+                    x.pick.push(x.ids.len() as i32 - 1);
+                }
             }
-            if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
-                return Err(Error::Index {
-                    name: "tokens",
-                    detail: format!("token id {id} is outside the vocabulary 0..{vocab}"),
-                });
+            if which == Logits::Last && r.tree.is_none() && !r.tokens.is_empty() {
+                x.pick.push(x.ids.len() as i32 - 1);
             }
-            let start = cache.len(seq)?;
-            cache.reserve(seq, start + ids.len())?;
-        }
-        for &(seq, ids) in batch {
-            let start = cache.len(seq)?;
-            let table = cache.block_table(seq)?;
-            for (j, &id) in ids.iter().enumerate() {
-                let pos = start + j;
-                inputs.ids.push(id as i32);
-                inputs.positions.push(pos);
-                inputs.slot.push(cache.slot_row(&table, pos)?);
-                inputs.block_tables.extend_from_slice(&table);
-                inputs.seq_len.push(pos as i32 + 1);
-                inputs.max_seq_len = inputs.max_seq_len.max(pos + 1);
+            match r.tree {
+                None => {
+                    for j in 0..r.tokens.len() {
+                        x.block_tables.extend_from_slice(&table);
+                        x.seq_len.push((start + j) as i32 + 1);
+                        x.max_seq_len = x.max_seq_len.max(start + j + 1);
+                    }
+                    x.decode_rows += r.tokens.len();
+                }
+                Some(tree) => {
+                    let n_rows = r.tokens.len();
+                    let t = x.tree.get_or_insert_with(|| TreeStep {
+                        shape: TreeRows { bs: 0, n_rows },
+                        block_tables: Vec::new(),
+                        prefix: Vec::new(),
+                        visibility: Vec::new(),
+                        max_seq_len: 0,
+                    });
+                    t.shape.bs += 1;
+                    t.block_tables.extend_from_slice(&table);
+                    t.prefix.push(start as i32);
+                    t.visibility.extend_from_slice(tree.visibility);
+                    t.max_seq_len = t.max_seq_len.max(start + n_rows);
+                }
             }
-            if which == Logits::Last && !ids.is_empty() {
-                inputs.pick.push(inputs.ids.len() as i32 - 1);
-            }
         }
-        if which == Logits::All {
-            inputs.pick = (0..inputs.ids.len() as i32).collect();
+        if x.ids.is_empty() {
+            return Err(Error::param("batch", 0, "a step needs at least one token"));
         }
-        if inputs.ids.is_empty() {
-            return Err(Error::param("batch", 0, "a forward call needs at least one token"));
-        }
-        Ok(inputs)
+        Ok(x)
     }
 
     fn upload_inputs(&self, s: &mut Scratch<B>, x: &StepInputs) -> Result<()> {
@@ -438,6 +507,11 @@ impl<B: Backend> Model<B> {
         b.write(&x.slot, &mut s.slot)?;
         b.write(&x.block_tables, &mut s.block_tables)?;
         b.write(&x.seq_len, &mut s.seq_len)?;
+        if let Some(tree) = &x.tree {
+            b.write(&tree.block_tables, &mut s.tree_tables)?;
+            b.write(&tree.prefix, &mut s.tree_prefix)?;
+            b.write(&tree.visibility, &mut s.visibility)?;
+        }
         b.write(&x.pick, &mut s.pick)
     }
 
@@ -477,14 +551,28 @@ impl<B: Backend> Model<B> {
         b.matmul_heads(&w.w_uk, &s.q, q_strides, t, &mut s.q_latent, latent_strides)?;
         let shape = QueryShape { heads, nope };
         b.q_rows(&s.q_latent, &s.q, shape, &s.table, t, self.rope.interleave(), &mut s.q_rows)?;
-        let inputs = AttentionInputs {
-            cache: &*cache,
-            layout,
-            block_tables: &s.block_tables,
-            seq_len: &s.seq_len,
-            max_seq_len: x.max_seq_len,
-        };
-        b.attention(&s.q_rows, heads, t, &inputs, c.softmax_scale() as f32, &mut s.o, &mut s.lse)?;
+        let scale = c.softmax_scale() as f32;
+        if x.decode_rows > 0 {
+            let inputs = AttentionInputs {
+                cache: &*cache,
+                layout,
+                block_tables: &s.block_tables,
+                seq_len: &s.seq_len,
+                max_seq_len: x.max_seq_len,
+            };
+            b.attention(&s.q_rows, heads, 0, x.decode_rows, &inputs, scale, &mut s.o, &mut s.lse)?;
+        }
+        if let Some(tree) = &x.tree {
+            let inputs = AttentionInputs {
+                cache: &*cache,
+                layout,
+                block_tables: &s.tree_tables,
+                seq_len: &s.tree_prefix,
+                max_seq_len: tree.max_seq_len,
+            };
+            let first = x.decode_rows;
+            b.tree_attention(&s.q_rows, heads, first, tree.shape, &inputs, &s.visibility, scale, &mut s.o, &mut s.lse)?;
+        }
         let value_strides = HeadStrides { row: heads * v, head: v };
         b.matmul_heads(&w.w_uv, &s.o, latent_strides, t, &mut s.values, value_strides)?;
         b.matmul(&w.o_proj, &s.values, t, &mut s.out)
@@ -519,6 +607,56 @@ impl<B: Backend> Model<B> {
         let out = if shared { &mut s.shared_out } else { &mut s.out };
         b.matmul(&mlp.down, &s.act, t, out)
     }
+}
+
+/// Prefill / decode requests of `(sequence, tokens)` pairs.
+fn plain_requests<'a>(batch: &[(usize, &'a [u32])]) -> Vec<StepRequest<'a>> {
+    batch.iter().map(|&(seq, tokens)| StepRequest { seq, tokens, tree: None }).collect()
+}
+
+/// Every check of a step's requests that needs no cache: unique sequences, token ids in the vocabulary,
+/// trees after the other requests, of one row count, with a depth and a visibility row per node.
+fn check_requests(requests: &[StepRequest], vocab: usize) -> Result<()> {
+    let mut tree_rows = None;
+    for (i, r) in requests.iter().enumerate() {
+        if requests[..i].iter().any(|other| other.seq == r.seq) {
+            return Err(Error::param("batch", r.seq, "a sequence may appear only once per step"));
+        }
+        if let Some(&id) = r.tokens.iter().find(|&&id| id as usize >= vocab) {
+            return Err(Error::Index {
+                name: "tokens",
+                detail: format!("token id {id} is outside the vocabulary 0..{vocab}"),
+            });
+        }
+        let Some(tree) = r.tree else {
+            if tree_rows.is_some() {
+                return Err(Error::param(
+                    "batch",
+                    r.seq,
+                    "tree requests must come after every prefill or decode request",
+                ));
+            }
+            continue;
+        };
+        let n = r.tokens.len();
+        if n == 0 || *tree_rows.get_or_insert(n) != n {
+            return Err(Error::param(
+                "tree rows",
+                n,
+                format!("every tree of a step needs the same row count (>= 1), here {tree_rows:?}"),
+            ));
+        }
+        check_len("tree depth", tree.depth.len(), &[("N", n)])?;
+        check_len("tree visibility", tree.visibility.len(), &[("N", n), ("ceil(N / 32)", n.div_ceil(32))])?;
+        if tree.depth[0] != 0 || tree.depth[1..].iter().any(|&d| d == 0 || d as usize >= n) {
+            return Err(Error::param(
+                "tree depth",
+                format!("{:?}", tree.depth),
+                "the root has depth 0, every other node 1..N",
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn load_layer<B: Backend>(b: &B, ckpt: &Checkpoint, c: &Config, i: usize) -> Result<Layer<B>> {
@@ -639,10 +777,11 @@ impl<B: Backend> KvCache<B> {
         Ok(())
     }
 
-    fn advance(&mut self, batch: &[(usize, &[u32])]) {
-        for &(id, ids) in batch {
-            if let Some(seq) = self.seqs.get_mut(id).and_then(Option::as_mut) {
-                seq.len += ids.len();
+    /// Commits the tokens of every request that is not a tree.
+    fn advance(&mut self, requests: &[StepRequest]) {
+        for r in requests.iter().filter(|r| r.tree.is_none()) {
+            if let Some(seq) = self.seqs.get_mut(r.seq).and_then(Option::as_mut) {
+                seq.len += r.tokens.len();
             }
         }
     }

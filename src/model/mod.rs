@@ -10,5 +10,5 @@ pub mod rope;
 pub mod tokenizer;
 pub mod weights;
 
-pub use forward::{KvCache, Logits, Model};
+pub use forward::{KvCache, Logits, Model, StepRequest, TreeInput};
 pub use tokenizer::{ChatMessage, Tokenizer};
