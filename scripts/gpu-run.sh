@@ -6,8 +6,9 @@
 # case next to the test source) are copied to $OUT/proptest-regressions/, so that a case found here can
 # be committed in the repository (this machine has no git).
 # TESTS="gpu-pack/tests/NAME ..." limits the tests step to those binaries.
-# Usage: scripts/gpu-run.sh [tests|sanitize|sanitize:quick|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
+# Usage: scripts/gpu-run.sh [tests|engine|sanitize|sanitize:quick|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
 #        (FILTER: a criterion name filter, e.g. bench:mla:gpu_decode runs only those rows)
+#        engine: the engine's tok/s table beside transformers' (examples/bench_generate, scripts/hf_generate_bench.py)
 #        sanitize: memcheck and racecheck of every test of every binary, SANITIZE_JOBS (default 8)
 #        (tool, binary) jobs at a time, each with --test-threads SANITIZE_THREADS (default 2) and, when
 #        SANITIZE_TIMEOUT (seconds) is set, killed after that long; sanitize:quick only the fixture and
@@ -154,6 +155,15 @@ run_profile_mla() {
     done
 }
 
+# The engine's greedy throughput (examples/bench_generate.rs) on the GPU and, in the same call, Hugging Face
+# transformers' generate on the same checkpoint (scripts/hf_generate_bench.py); CSVs under $OUT.
+run_engine() {
+    gpu-pack/examples/bench_generate --gpu --out "$out/engine-gpu.csv" >"$logs/engine-gpu.log" 2>&1
+    note "engine bench_generate --gpu: exit $? | $(tr '\n' ' ' <"$logs/engine-gpu.log" | tail -c 1500)"
+    python3 scripts/hf_generate_bench.py --out "$out/transformers.csv" >"$logs/transformers.log" 2>&1
+    note "transformers generate: exit $? | $(tr '\n' ' ' <"$logs/transformers.log" | tail -c 1200)"
+}
+
 run_bench() {
     local name=$1 filter=${2:-}
     # shellcheck disable=SC2086  # BENCH_ARGS holds several options
@@ -167,6 +177,7 @@ date -u >>"$out/gpu.txt"
 for step in $steps; do
     case $step in
         tests) run_tests ;;
+        engine) run_engine ;;
         sanitize) run_sanitizer '*' ;;
         sanitize:quick) run_sanitizer '*' matches_every_fixture batch_invariant ;;
         sanitize:*) run_sanitizer "${step#sanitize:}" ;;

@@ -612,6 +612,46 @@ mod cuda {
         check_mixed_step_is_batch_invariant(&cuda_model(&tiny_dir()));
     }
 
+    /// Steps replayed from recorded graphs give the bits of the same steps run op by op: decode steps of
+    /// four sequences, then tree steps of two, each shape several times (so most steps are replays).
+    #[test]
+    fn cuda_graph_replay_equals_eager_steps() {
+        if common::gpu().is_none() {
+            return;
+        }
+        let model = cuda_model(&tiny_dir());
+        let (_, visibility) = tree_paths();
+        let run = |graphs: bool| -> Vec<Vec<f32>> {
+            model.set_graphs(graphs);
+            let mut cache = cache(&model);
+            let seqs: Vec<usize> = (0..4).map(|_| cache.add_sequence()).collect();
+            let mut out = Vec::new();
+            for (i, &seq) in seqs.iter().enumerate() {
+                let prompt = ids(&case(CASES[i]), "input_ids");
+                out.push(model.forward(&mut cache, &[(seq, &prompt)], Logits::Last).unwrap());
+            }
+            for step in 0..6u32 {
+                let tokens: Vec<u32> = (0..4).map(|i| 10 + step * 4 + i).collect();
+                let batch: Vec<(usize, &[u32])> =
+                    seqs.iter().zip(&tokens).map(|(&s, t)| (s, std::slice::from_ref(t))).collect();
+                out.push(model.forward(&mut cache, &batch, Logits::Last).unwrap());
+            }
+            for _ in 0..3 {
+                let tree = Some(TreeInput { depth: &TREE_DEPTH, visibility: &visibility });
+                let batch: Vec<StepRequest> =
+                    seqs[..2].iter().map(|&seq| StepRequest { seq, tokens: &TREE_TOKENS, tree }).collect();
+                out.push(model.step(&mut cache, &batch, Logits::Last).unwrap());
+            }
+            out
+        };
+        let eager = run(false);
+        let replayed = run(true);
+        assert!(model.recorded_graphs() >= 2, "the decode and tree steps were recorded");
+        for (i, (a, b)) in eager.iter().zip(&replayed).enumerate() {
+            assert!(a == b, "step {i}: a replayed step differs from the eager one");
+        }
+    }
+
     #[test]
     fn cuda_prefill_equals_token_by_token_decoding() {
         if common::gpu().is_none() {

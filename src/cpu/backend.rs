@@ -83,6 +83,7 @@ impl Backend for CpuBackend {
     type Buf<T: Elem> = Vec<T>;
     type Linear = HostLinear;
     type Experts = HostExperts;
+    type Graph = ();
 
     fn name(&self) -> String {
         "cpu".into()
@@ -301,6 +302,18 @@ impl Backend for CpuBackend {
         let got = moe_int4(prefix("x", x, tokens * experts.hidden)?, &routing, &experts.view())?;
         prefix_mut("out", out, got.len())?.copy_from_slice(&got);
         Ok(())
+    }
+
+    fn capture(&self, _record: &mut dyn FnMut() -> Result<()>) -> Result<Option<()>> {
+        Ok(None)
+    }
+
+    fn replay(&self, _graph: &()) -> Result<()> {
+        Err(Error::param("graph", "replay", "the CPU backend records no graphs"))
+    }
+
+    fn plan_epoch(&self) -> u64 {
+        0
     }
 
     fn check(&self) -> Result<()> {

@@ -5,16 +5,17 @@
 //! The plans (the GEMM's split-K scratch, the MLA split-KV scratch, the MoE routing buffers) live behind
 //! a mutex and grow to the largest step seen, so a warmed-up step allocates nothing.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaView, CudaViewMut};
 use half::bf16;
 
 use super::gemm_bf16::{DeviceWeight, GemmPlan, Strides};
 use super::mla::{DeviceCache, DeviceMlaOutput, MlaPlan};
 use super::moe_int4::{DeviceExperts, MoePlan};
 use super::rowops::{self, KvRowInputs};
-use super::Gpu;
+use super::{cuda_err, Gpu};
 use crate::cpu::mla::ROW;
 use crate::cpu::moe_int4::Experts;
 use crate::cpu::rowops::QueryShape;
@@ -30,7 +31,7 @@ struct SizedMla {
 impl SizedMla {
     /// The plan in `slot`, remade (with the larger of the old and the asked maxima) unless it covers `dims`.
     fn fit<'a>(
-        gpu: &Gpu,
+        backend: &CudaBackend,
         slot: &'a mut Option<SizedMla>,
         dims: (usize, usize, usize, usize),
     ) -> Result<&'a mut MlaPlan> {
@@ -40,7 +41,8 @@ impl SizedMla {
             let keep = slot.as_ref().filter(|m| m.dims.1 == rows && m.dims.2 == heads);
             let dims = keep.map_or(dims, |m| (m.dims.0.max(bs), rows, heads, m.dims.3.max(seq)));
             *slot = None;
-            *slot = Some(SizedMla { plan: MlaPlan::new(gpu, dims.0, heads, dims.3, rows)?, dims });
+            *slot = Some(SizedMla { plan: MlaPlan::new(&backend.gpu, dims.0, heads, dims.3, rows)?, dims });
+            backend.bump_epoch();
         }
         Ok(&mut slot.as_mut().expect("made above").plan)
     }
@@ -104,14 +106,23 @@ struct Plans {
 pub struct CudaBackend {
     gpu: Gpu,
     plans: Mutex<Plans>,
+    /// Bumped whenever a plan is remade or the GEMM scratch grows.
+    epoch: AtomicU64,
 }
+
+/// A CUDA graph of a recorded step.
+pub struct StepGraph(CudaGraph);
+
+// SAFETY: a CUDA graph may be used from any thread as long as calls on it are serialized; the model
+// keeps its graphs behind a mutex, and replay only launches it on the backend's stream.
+unsafe impl Send for StepGraph {}
 
 impl CudaBackend {
     /// A backend on `gpu`.
     pub fn new(gpu: Gpu) -> Result<Self> {
         let plans =
             Plans { gemm: GemmPlan::new(&gpu, 1, &[])?, mla: None, tree_mla: None, moe: None, status: gpu.zeros(1)? };
-        Ok(CudaBackend { gpu, plans: Mutex::new(plans) })
+        Ok(CudaBackend { gpu, plans: Mutex::new(plans), epoch: AtomicU64::new(0) })
     }
 
     /// The device it runs on.
@@ -121,6 +132,21 @@ impl CudaBackend {
 
     fn plans(&self) -> MutexGuard<'_, Plans> {
         self.plans.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn bump_epoch(&self) {
+        self.epoch.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Runs a GEMM on the plan, bumping the epoch when its scratch grew.
+    fn gemm(&self, run: impl FnOnce(&mut GemmPlan) -> Result<()>) -> Result<()> {
+        let mut plans = self.plans();
+        let before = plans.gemm.footprint();
+        let result = run(&mut plans.gemm);
+        if plans.gemm.footprint() != before {
+            self.bump_epoch();
+        }
+        result
     }
 }
 
@@ -142,6 +168,7 @@ impl Backend for CudaBackend {
     type Buf<T: Elem> = CudaSlice<T>;
     type Linear = DeviceWeight;
     type Experts = DeviceExperts;
+    type Graph = StepGraph;
 
     fn name(&self) -> String {
         self.gpu.name().unwrap_or_else(|_| "cuda".into())
@@ -163,16 +190,13 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let mut dst = view_mut(buf, host.len(), "buffer")?;
-        self.gpu.stream().memcpy_htod(host, &mut dst).map_err(|e| super::cuda_err("write", e))
+        self.gpu.stream().memcpy_htod(host, &mut dst).map_err(|e| cuda_err("write", e))
     }
 
     fn read<T: Elem>(&self, buf: &CudaSlice<T>, len: usize) -> Result<Vec<T>> {
         let mut host = vec![T::default(); len];
         if len > 0 {
-            self.gpu
-                .stream()
-                .memcpy_dtoh(&view(buf, len, "buffer")?, &mut host)
-                .map_err(|e| super::cuda_err("read", e))?;
+            self.gpu.stream().memcpy_dtoh(&view(buf, len, "buffer")?, &mut host).map_err(|e| cuda_err("read", e))?;
             self.gpu.synchronize()?;
         }
         Ok(host)
@@ -194,7 +218,7 @@ impl Backend for CudaBackend {
         let (inp, out) = (w.in_features(), w.out_features());
         let xv = view(x, tokens * inp, "x")?;
         let mut yv = view_mut(y, tokens * out, "y")?;
-        self.plans().gemm.run(&self.gpu, w, &xv, Strides::dense(inp), tokens, &mut yv, Strides::dense(out))
+        self.gemm(|g| g.run(&self.gpu, w, &xv, Strides::dense(inp), tokens, &mut yv, Strides::dense(out)))
     }
 
     fn matmul_heads(
@@ -208,7 +232,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let (xs, ys) = (Strides { row: xs.row, batch: xs.head }, Strides { row: ys.row, batch: ys.head });
         let (xv, mut yv) = (x.as_view(), y.as_view_mut());
-        self.plans().gemm.run(&self.gpu, w, &xv, xs, tokens, &mut yv, ys)
+        self.gemm(|g| g.run(&self.gpu, w, &xv, xs, tokens, &mut yv, ys))
     }
 
     fn rmsnorm(
@@ -308,7 +332,7 @@ impl Backend for CudaBackend {
         lse: &mut CudaSlice<f32>,
     ) -> Result<()> {
         let mut plans = self.plans();
-        let mla = SizedMla::fit(&self.gpu, &mut plans.mla, (rows, 1, heads, inputs.max_seq_len))?;
+        let mla = SizedMla::fit(self, &mut plans.mla, (rows, 1, heads, inputs.max_seq_len))?;
         let cache = device_cache(inputs, rows)?;
         let q = rows_of(q, first_row, rows, heads * ROW, "q")?;
         let seq_len = view(inputs.seq_len, rows, "seq_len")?;
@@ -330,7 +354,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let TreeRows { bs, n_rows } = shape;
         let mut plans = self.plans();
-        let mla = SizedMla::fit(&self.gpu, &mut plans.tree_mla, (bs, n_rows, heads, inputs.max_seq_len))?;
+        let mla = SizedMla::fit(self, &mut plans.tree_mla, (bs, n_rows, heads, inputs.max_seq_len))?;
         let cache = device_cache(inputs, bs)?;
         let q = rows_of(q, first_row, bs * n_rows, heads * ROW, "q")?;
         let seq_len = view(inputs.seq_len, bs, "seq_len")?;
@@ -354,7 +378,9 @@ impl Backend for CudaBackend {
         let fits = |m: &SizedMoe| m.k == k && m.tokens >= tokens;
         if !plans.moe.as_ref().is_some_and(fits) {
             let t = plans.moe.as_ref().map_or(tokens, |m| m.tokens.max(tokens));
+            plans.moe = None;
             plans.moe = Some(SizedMoe { plan: MoePlan::new(&self.gpu, experts.shape, k, t)?, k, tokens: t });
+            self.bump_epoch();
         }
         let moe = plans.moe.as_mut().expect("made above");
         let (e, h) = (experts.shape.count, experts.shape.hidden);
@@ -366,6 +392,26 @@ impl Backend for CudaBackend {
             tokens,
         )?;
         moe.plan.experts_forward(&self.gpu, experts, &view(x, tokens * h, "x")?, &mut view_mut(out, tokens * h, "out")?)
+    }
+
+    fn capture(&self, record: &mut dyn FnMut() -> Result<()>) -> Result<Option<StepGraph>> {
+        let stream = self.gpu.stream();
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| cuda_err("begin graph capture", e))?;
+        let recorded = record();
+        // The capture must end whatever happened, or the stream stays in capture mode.
+        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(|e| cuda_err("end graph capture", e));
+        recorded?;
+        Ok(graph?.map(StepGraph))
+    }
+
+    fn replay(&self, graph: &StepGraph) -> Result<()> {
+        graph.0.launch().map_err(|e| cuda_err("graph replay", e))
+    }
+
+    fn plan_epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Relaxed)
     }
 
     fn check(&self) -> Result<()> {

@@ -140,6 +140,11 @@ impl GemmPlan {
         Ok(plan)
     }
 
+    /// The scratch's sizes in elements; they change exactly when a run had to reallocate.
+    pub fn footprint(&self) -> (usize, usize) {
+        (self.hi.len(), self.part.len())
+    }
+
     fn reserve(&mut self, gpu: &Gpu, w: &DeviceWeight, x_span: usize, tokens: usize) -> Result<()> {
         if self.hi.len() < x_span {
             self.hi = gpu.zeros(x_span)?;

@@ -52,7 +52,7 @@ pub struct AttentionInputs<'a, B: Backend + ?Sized> {
 }
 
 /// The shape of a step's tree rows: `bs` requests of `n_rows` rows each.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TreeRows {
     /// Requests with a tree.
     pub bs: usize,
@@ -84,6 +84,8 @@ pub trait Backend: Send + Sync {
     type Linear: Send + Sync;
     /// One layer's INT4 routed experts placed on this backend.
     type Experts: Send + Sync;
+    /// A recorded sequence of operations that replays without the host launching each one.
+    type Graph: Send;
 
     /// A short name for messages ("cpu", or the GPU's name).
     fn name(&self) -> String;
@@ -220,6 +222,17 @@ pub trait Backend: Send + Sync {
         tokens: usize,
         out: &mut Self::Buf<f32>,
     ) -> Result<()>;
+
+    /// Records the operations `record` queues into a graph instead of running them; `None` where the
+    /// backend has no graphs (the CPU), without calling `record`. Buffers the operations use must stay
+    /// where they are while the graph lives, and the backend's plans must not grow
+    /// ([`Backend::plan_epoch`]).
+    fn capture(&self, record: &mut dyn FnMut() -> Result<()>) -> Result<Option<Self::Graph>>;
+    /// Queues a recorded graph: the operations it holds, on the buffers they were recorded on.
+    fn replay(&self, graph: &Self::Graph) -> Result<()>;
+    /// Changes whenever one of the backend's internal plans reallocates its scratch, so that a graph
+    /// recorded before knows it holds stale addresses.
+    fn plan_epoch(&self) -> u64;
 
     /// Reports what the operations since the last check found wrong on the device (a bad index, a page
     /// outside the cache); on the CPU every operation reports at once, so this is always Ok. One host

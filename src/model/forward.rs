@@ -9,7 +9,9 @@
 //! (the cache rows of the call's tokens are written first), so a prefill gives the bits of token-by-token
 //! decoding and a token's results do not depend on what else is in the batch.
 
+use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use half::bf16;
@@ -229,8 +231,31 @@ pub struct Model<B: Backend = CpuBackend> {
     lm_head: B::Linear,
     rope: Rope,
     scratch: Mutex<Option<Scratch<B>>>,
+    graphs: Mutex<Graphs<B>>,
     backend: B,
 }
+
+/// The shape of a step that a recorded graph replays: everything its launches bake in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct GraphKey {
+    cache: u64,
+    tokens: usize,
+    decode_rows: usize,
+    tree: Option<TreeRows>,
+    picked: usize,
+    max_seq_len: usize,
+    tree_seq_len: usize,
+    argmax: bool,
+}
+
+/// Recorded step graphs (CUDA) by shape, with the backend's plan epoch they were recorded at.
+struct Graphs<B: Backend> {
+    enabled: bool,
+    recorded: HashMap<GraphKey, (u64, B::Graph)>,
+}
+
+/// At most this many graphs are kept; recording one more clears them (a shape seen again is recorded again).
+const MAX_GRAPHS: usize = 64;
 
 /// Which positions of a forward call get results.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -344,6 +369,7 @@ impl<B: Backend> Model<B> {
             rope: Rope::new(c)?,
             config,
             scratch: Mutex::new(None),
+            graphs: Mutex::new(Graphs { enabled: true, recorded: HashMap::new() }),
             backend,
         })
     }
@@ -356,6 +382,21 @@ impl<B: Backend> Model<B> {
     /// The backend it runs on.
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// Recorded step graphs currently kept.
+    pub fn recorded_graphs(&self) -> usize {
+        self.graphs.lock().unwrap_or_else(PoisonError::into_inner).recorded.len()
+    }
+
+    /// Turns the replay of recorded steps on or off (on by default; the CPU backend records none). With
+    /// graphs on, a step whose requests are all decode tokens or trees is recorded the first time its
+    /// shape is seen (batch, tree shape, rows returned, cache, sequence-length bucket) and replayed
+    /// after, with the same bits as running it op by op.
+    pub fn set_graphs(&self, enabled: bool) {
+        let mut g = self.graphs.lock().unwrap_or_else(PoisonError::into_inner);
+        g.enabled = enabled;
+        g.recorded.clear();
     }
 
     /// A KV cache for this model on its backend: `num_pages` pages of `page_size` slots per layer, at most
@@ -376,17 +417,13 @@ impl<B: Backend> Model<B> {
     /// tree, with [`Logits::All`] every row, in request order.
     pub fn step(&self, cache: &mut KvCache<B>, requests: &[StepRequest], which: Logits) -> Result<Vec<f32>> {
         let vocab = self.config.vocab_size;
-        self.run_step(cache, requests, which, |b, s, rows| b.read(&s.logits, rows * vocab))
+        self.run_step(cache, requests, which, false, |b, s, rows| b.read(&s.logits, rows * vocab))
     }
 
     /// Like [`Model::step`], but returns only the argmax token of each chosen row, computed where the
     /// backend lives.
     pub fn step_argmax(&self, cache: &mut KvCache<B>, requests: &[StepRequest], which: Logits) -> Result<Vec<u32>> {
-        let vocab = self.config.vocab_size;
-        let ids = self.run_step(cache, requests, which, |b, s, rows| {
-            b.argmax(&s.logits, vocab, rows, &mut s.argmax)?;
-            b.read(&s.argmax, rows)
-        })?;
+        let ids = self.run_step(cache, requests, which, true, |b, s, rows| b.read(&s.argmax, rows))?;
         Ok(ids.into_iter().map(|t| t as u32).collect())
     }
 
@@ -396,42 +433,85 @@ impl<B: Backend> Model<B> {
         self.step_argmax(cache, &plain_requests(batch), which)
     }
 
-    /// One step up to the chosen rows' logits in the scratch, then `finish` reads what the caller wants.
+    /// One step up to the chosen rows' logits (and their argmax) in the scratch, then `finish` reads what
+    /// the caller wants.
     fn run_step<T>(
         &self,
         cache: &mut KvCache<B>,
         requests: &[StepRequest],
         which: Logits,
-        finish: impl FnOnce(&B, &mut Scratch<B>, usize) -> Result<T>,
+        argmax: bool,
+        finish: impl FnOnce(&B, &Scratch<B>, usize) -> Result<T>,
     ) -> Result<T> {
         let inputs = self.plan_step(cache, requests, which)?;
         let b = &self.backend;
         let (tokens, picked) = (inputs.ids.len(), inputs.pick.len());
         let mut guard = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut graphs = self.graphs.lock().unwrap_or_else(PoisonError::into_inner);
         if !guard.as_ref().is_some_and(|s| s.tokens >= tokens && s.picked >= picked) {
             let (t, p) = guard.as_ref().map_or((tokens, picked), |s| (s.tokens.max(tokens), s.picked.max(picked)));
+            graphs.recorded.clear(); // they hold the old buffers' addresses
             *guard = None; // free the old buffers before allocating the new ones
             *guard = Some(Scratch::new(b, &self.config, cache.layout.pages_per_req, t.max(1), p.max(1))?);
         }
         let s = guard.as_mut().expect("made above");
         self.upload_inputs(s, &inputs)?;
+        let graphable = requests.iter().all(|r| r.tree.is_some() || r.tokens.len() == 1);
+        let key = (graphs.enabled && graphable).then(|| GraphKey {
+            cache: cache.id,
+            tokens,
+            decode_rows: inputs.decode_rows,
+            tree: inputs.tree.as_ref().map(|t| t.shape),
+            picked,
+            max_seq_len: inputs.max_seq_len,
+            tree_seq_len: inputs.tree.as_ref().map_or(0, |t| t.max_seq_len),
+            argmax,
+        });
+        let epoch = b.plan_epoch();
+        match key.and_then(|k| graphs.recorded.get(&k)).filter(|(e, _)| *e == epoch) {
+            Some((_, graph)) => b.replay(graph)?,
+            None => {
+                self.record(cache, &inputs, s, argmax)?;
+                if let Some(key) = key {
+                    let graph = b.capture(&mut || self.record(cache, &inputs, s, argmax))?;
+                    if graphs.recorded.len() >= MAX_GRAPHS {
+                        graphs.recorded.clear();
+                    }
+                    // A plan that grew while recording would leave the graph with stale addresses.
+                    if let Some(graph) = graph.filter(|_| b.plan_epoch() == epoch) {
+                        graphs.recorded.insert(key, (epoch, graph));
+                    }
+                }
+            }
+        }
+        cache.advance(requests);
+        let result = finish(b, s, picked)?;
+        b.check()?;
+        Ok(result)
+    }
+
+    /// Queues every operation of a step whose inputs are in the scratch: the layers, the final norm of the
+    /// chosen rows, lm_head, and with `argmax` their argmax.
+    fn record(&self, cache: &mut KvCache<B>, inputs: &StepInputs, s: &mut Scratch<B>, argmax: bool) -> Result<()> {
+        let b = &self.backend;
+        let (tokens, picked) = (inputs.ids.len(), inputs.pick.len());
         let h = self.config.hidden_size;
         b.embed(&self.embed, h, &s.ids, tokens, &mut s.x)?;
         for (l, layer) in self.layers.iter().enumerate() {
             layer.input_norm.run(b, &s.x, tokens, &mut s.normed)?;
-            self.attention(layer, &mut cache.storage[l], cache.layout, &inputs, s)?;
+            self.attention(layer, &mut cache.storage[l], cache.layout, inputs, s)?;
             b.add(&mut s.x, &s.out, tokens * h)?;
             layer.post_attn_norm.run(b, &s.x, tokens, &mut s.normed)?;
             self.feed_forward(&layer.ffn, tokens, s)?;
             b.add(&mut s.x, &s.out, tokens * h)?;
         }
-        cache.advance(requests);
         b.gather(&s.x, h, tokens, &s.pick, picked, &mut s.last)?;
         self.norm.run(b, &s.last, picked, &mut s.last_normed)?;
         b.matmul(&self.lm_head, &s.last_normed, picked, &mut s.logits)?;
-        let result = finish(b, s, picked)?;
-        b.check()?;
-        Ok(result)
+        if argmax {
+            b.argmax(&s.logits, self.config.vocab_size, picked, &mut s.argmax)?;
+        }
+        Ok(())
     }
 
     /// Checks the requests, reserves their cache pages (an error here leaves every cache row as it was)
@@ -496,6 +576,13 @@ impl<B: Backend> Model<B> {
         }
         if x.ids.is_empty() {
             return Err(Error::param("batch", 0, "a step needs at least one token"));
+        }
+        // The attention launches are sized by these bounds, their results are not: rounding them up to a
+        // power of two lets one recorded step serve many sequence lengths.
+        let limit = cache.layout.pages_per_req * cache.layout.page_size;
+        x.max_seq_len = seq_bucket(x.max_seq_len, limit);
+        if let Some(tree) = &mut x.tree {
+            tree.max_seq_len = seq_bucket(tree.max_seq_len, limit);
         }
         Ok(x)
     }
@@ -609,6 +696,12 @@ impl<B: Backend> Model<B> {
     }
 }
 
+/// `len` rounded up to a power of two of at least [`crate::cpu::mla::SPLIT`], at most `limit` (and never
+/// below `len`).
+fn seq_bucket(len: usize, limit: usize) -> usize {
+    len.max(crate::cpu::mla::SPLIT).next_power_of_two().min(limit).max(len)
+}
+
 /// Prefill / decode requests of `(sequence, tokens)` pairs.
 fn plain_requests<'a>(batch: &[(usize, &'a [u32])]) -> Vec<StepRequest<'a>> {
     batch.iter().map(|&(seq, tokens)| StepRequest { seq, tokens, tree: None }).collect()
@@ -695,6 +788,8 @@ struct Sequence {
 /// sequences as they grow and returned when they are removed), the page storage, per layer
 /// `[num_pages, page_size, 576]` bf16 rows, on the backend.
 pub struct KvCache<B: Backend = CpuBackend> {
+    /// Unique per cache in the process: recorded step graphs are keyed by it.
+    id: u64,
     storage: Vec<B::Buf<bf16>>,
     layout: KvLayout,
     free: Vec<i32>,
@@ -721,7 +816,9 @@ impl<B: Backend> KvCache<B> {
             pages_per_req: max_seq_len.div_ceil(page_size),
         };
         let storage = (0..layers).map(|_| backend.zeros(num_pages * page_size * ROW)).collect::<Result<_>>()?;
-        Ok(KvCache { storage, layout, free: (0..num_pages as i32).rev().collect(), seqs: Vec::new() })
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        Ok(KvCache { id, storage, layout, free: (0..num_pages as i32).rev().collect(), seqs: Vec::new() })
     }
 
     /// Starts an empty sequence; returns its id.

@@ -1,0 +1,128 @@
+//! Greedy generation throughput of the engine's plain autoregressive step: for each batch size, every
+//! sequence gets the same 5-token prompt (the one `scripts/hf_generate_bench.py` gives transformers), a
+//! prefill, then `--tokens` decode steps of the whole batch, each taking the device argmax; with recorded
+//! step graphs off and on. Prints tok/s (batch × tokens / decode time) and the time of a step, checks that
+//! both settings emit the same tokens, and writes the table as CSV with `--out`.
+//!
+//! ```text
+//! cargo run --release --example bench_generate -- --batches 1,8
+//! cargo run --release --features cuda --example bench_generate -- --gpu
+//! ```
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use kdtree_engine::model::backend::Backend;
+use kdtree_engine::model::{Logits, Model};
+use kdtree_engine::{Error, Result};
+
+#[derive(Parser, Debug)]
+#[command(about = "Greedy decode throughput of the engine at several batch sizes, graphs off and on")]
+struct Args {
+    /// Checkpoint directory.
+    #[arg(long, default_value = "fixtures/tiny_model")]
+    model: PathBuf,
+    /// Tokens generated per sequence.
+    #[arg(long, default_value_t = 256)]
+    tokens: usize,
+    /// Batch sizes, comma-separated.
+    #[arg(long, default_value = "1,8,32", value_delimiter = ',')]
+    batches: Vec<usize>,
+    /// Run on the CUDA backend (needs the `cuda` feature and a device).
+    #[arg(long)]
+    gpu: bool,
+    /// Also write the table as CSV here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+const PROMPT: [u32; 5] = [100, 7, 14, 21, 28];
+
+/// One measured configuration.
+struct Run {
+    batch: usize,
+    graphs: bool,
+    first: Duration,
+    decode: Duration,
+    tokens: Vec<Vec<u32>>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<()> {
+    if args.tokens < 2 || args.batches.contains(&0) {
+        return Err(Error::param("--tokens / --batches", args.tokens, "need at least 2 tokens and batches >= 1"));
+    }
+    if !args.gpu {
+        return bench(args, Model::load(&args.model)?);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let gpu = kdtree_engine::cuda::Gpu::new(0)?;
+        bench(args, Model::load_on(&args.model, kdtree_engine::cuda::backend::CudaBackend::new(gpu)?)?)
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(Error::param("--gpu", true, "this build has no CUDA backend: build with `--features cuda`"))
+}
+
+/// Prefills `batch` copies of the prompt and decodes `tokens` steps.
+fn generate<B: Backend>(model: &Model<B>, batch: usize, tokens: usize, graphs: bool) -> Result<Run> {
+    model.set_graphs(graphs);
+    let len = PROMPT.len() + tokens;
+    let mut cache = model.new_cache(batch * len.div_ceil(16), 16, len)?;
+    let seqs: Vec<usize> = (0..batch).map(|_| cache.add_sequence()).collect();
+    let start = Instant::now();
+    let prefill: Vec<(usize, &[u32])> = seqs.iter().map(|&s| (s, &PROMPT[..])).collect();
+    let mut last = model.forward_argmax(&mut cache, &prefill, Logits::Last)?;
+    let first = start.elapsed();
+    let mut emitted: Vec<Vec<u32>> = last.iter().map(|&t| vec![t]).collect();
+    let begin = Instant::now();
+    for _ in 1..tokens {
+        let step: Vec<(usize, &[u32])> = seqs.iter().zip(&last).map(|(&s, t)| (s, std::slice::from_ref(t))).collect();
+        let next = model.forward_argmax(&mut cache, &step, Logits::Last)?;
+        emitted.iter_mut().zip(&next).for_each(|(e, &t)| e.push(t));
+        last = next;
+    }
+    Ok(Run { batch, graphs, first, decode: begin.elapsed(), tokens: emitted })
+}
+
+fn bench<B: Backend>(args: &Args, model: Model<B>) -> Result<()> {
+    let backend = model.backend().name();
+    let mut rows = vec!["backend,batch,graphs,tok_per_s,step_us,first_token_ms".to_string()];
+    for &batch in &args.batches {
+        let eager = generate(&model, batch, args.tokens, false)?;
+        let replayed = generate(&model, batch, args.tokens, true)?;
+        if eager.tokens != replayed.tokens {
+            return Err(Error::param("graphs", batch, "with graphs on, other tokens came out than with graphs off"));
+        }
+        for r in [&eager, &replayed] {
+            let steps = (args.tokens - 1) as f64;
+            let rate = r.batch as f64 * steps / r.decode.as_secs_f64();
+            let step_us = r.decode.as_secs_f64() * 1e6 / steps;
+            let first_ms = r.first.as_secs_f64() * 1e3;
+            println!(
+                "{backend}: batch {:>2}, graphs {:<3}: {rate:>9.1} tok/s, {step_us:>8.1} µs a step, first token {first_ms:.1} ms",
+                r.batch,
+                if r.graphs { "on" } else { "off" }
+            );
+            rows.push(format!("{backend},{},{},{rate:.1},{step_us:.1},{first_ms:.2}", r.batch, r.graphs));
+        }
+        println!("{backend}: batch {batch}: the same {} tokens per sequence with graphs off and on", args.tokens);
+    }
+    if let Some(out) = &args.out {
+        std::fs::write(out, rows.join("\n") + "\n")
+            .map_err(|e| Error::Data { path: out.clone(), detail: e.to_string() })?;
+    }
+    Ok(())
+}
