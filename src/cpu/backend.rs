@@ -2,7 +2,9 @@
 
 use half::bf16;
 
-use crate::cpu::gemm_bf16::gemm_bf16;
+use rayon::prelude::*;
+
+use crate::cpu::gemm_bf16::{dot, gemm_bf16};
 use crate::cpu::mla::{mla_decode, tree_verify, MlaOutput, PagedCache, LATENT, ROW};
 use crate::cpu::moe_int4::{moe_int4, route, Experts, Int4Matrix, Int4Owned};
 use crate::cpu::rowops::{self, QueryShape};
@@ -146,9 +148,18 @@ impl Backend for CpuBackend {
         ys: HeadStrides,
     ) -> Result<()> {
         let per_head = w.out * w.inp;
-        for h in 0..w.batch {
-            let xh = gather_strided(x, h * xs.head, xs.row, tokens, w.inp)?;
-            let got = gemm_bf16(&w.w[h * per_head..(h + 1) * per_head], w.out, w.inp, &xh)?;
+        let inputs: Vec<Vec<f32>> =
+            (0..w.batch).map(|h| gather_strided(x, h * xs.head, xs.row, tokens, w.inp)).collect::<Result<_>>()?;
+        // One parallel pass over the heads; each output is the dot product gemm_bf16 computes.
+        let outputs: Vec<Vec<f32>> = inputs
+            .par_iter()
+            .enumerate()
+            .map(|(h, xh)| {
+                let wh = &w.w[h * per_head..(h + 1) * per_head];
+                xh.chunks(w.inp).flat_map(|row| wh.chunks(w.inp).map(move |wr| dot(row, wr))).collect()
+            })
+            .collect();
+        for (h, got) in outputs.iter().enumerate() {
             for (t, row) in got.chunks(w.out).enumerate() {
                 let start = h * ys.head + t * ys.row;
                 prefix_mut("y", y.get_mut(start..).unwrap_or(&mut []), w.out)?.copy_from_slice(row);
