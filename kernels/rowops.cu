@@ -52,15 +52,25 @@ __device__ __forceinline__ int warp_row() { return blockIdx.x * ROWS_PER_BLOCK +
 
 namespace ro = kdt::rowops;
 
-// y[t] = RMSNorm(x[t]) for rows of d values at row strides x_stride / y_stride.
-extern "C" __global__ void __launch_bounds__(ro::WARP* ro::ROWS_PER_BLOCK)
+// y[t] = RMSNorm(x[t]) for rows of d values at row strides x_stride / y_stride. One block per row: the
+// whole block stages the row in shared memory with independent loads, then warp 0 sums the squares in
+// the contract's lane order (a lane's elements one after another, as the contract's sequential sum
+// requires) and the block writes the outputs.
+extern "C" __global__ void __launch_bounds__(256)
     rowops_rmsnorm(const float* x, int x_stride, const float* w, int d, float eps, int rows, float* y, int y_stride) {
-    const int t = ro::warp_row();
-    if (t >= rows) return;
-    const float* xr = x + (long long)t * x_stride;
-    const float inv = ro::rms_inv(xr, d, eps);
-    float* yr = y + (long long)t * y_stride;
-    for (int e = threadIdx.x % ro::WARP; e < d; e += ro::WARP) yr[e] = __fmul_rn(w[e], __fmul_rn(xr[e], inv));
+    extern __shared__ float staged[];
+    __shared__ float inv;
+    if ((int)blockIdx.x >= rows) return;
+    const float* xr = x + (long long)blockIdx.x * x_stride;
+    for (int e = threadIdx.x; e < d; e += blockDim.x) staged[e] = xr[e];
+    __syncthreads();
+    if (threadIdx.x < ro::WARP) {
+        const float v = ro::rms_inv(staged, d, eps);
+        if (threadIdx.x == 0) inv = v;
+    }
+    __syncthreads();
+    float* yr = y + (long long)blockIdx.x * y_stride;
+    for (int e = threadIdx.x; e < d; e += blockDim.x) yr[e] = __fmul_rn(w[e], __fmul_rn(staged[e], inv));
 }
 
 // out[t][j] = SiLU(gu[t][j]) * gu[t][inter + j].
@@ -138,20 +148,29 @@ extern "C" __global__ void __launch_bounds__(128)
     for (int e = threadIdx.x; e < d; e += blockDim.x) out[(long long)r * d + e] = ok ? x[(long long)i * d + e] : 0.0f;
 }
 
-// out[r] = argmax of row r of x [rows, vocab]: NaN above every number, the lowest index among equals.
-// One block per row; the order key (NaN above +inf, -0 read as +0) with the inverted index makes the
-// largest composite key the answer, so the reduction order cannot change it.
-extern "C" __global__ void __launch_bounds__(256) rowops_argmax(const float* x, int vocab, int* out) {
+// The argmax of row r of x [rows, vocab] as the largest composite key (order key, NaN above +inf, -0 read
+// as +0; then the inverted index, so the lowest index wins among equals): block (c, r) reduces chunk c of
+// the row and folds its best key into keys[r] with atomicMax, which is order independent. keys must
+// start at 0; rowops_argmax_finish turns them into indices and sets them back to 0.
+extern "C" __global__ void __launch_bounds__(256) rowops_argmax_chunk(const float* x, int vocab, int chunk, kdt::u64* keys) {
     using Reduce = cub::BlockReduce<kdt::u64, 256>;
     __shared__ typename Reduce::TempStorage tmp;
-    const float* row = x + (long long)blockIdx.x * vocab;
+    const float* row = x + (long long)blockIdx.y * vocab;
+    const int start = blockIdx.x * chunk, end = min(vocab, start + chunk);
     kdt::u64 best = 0;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+    for (int i = start + threadIdx.x; i < end; i += blockDim.x) {
         const float v = row[i];
         const uint32_t key = isnan(v) ? 0xFFFFFFFFu : kdt::order_key(v);
         const kdt::u64 k = kdt::composite_key(key, (uint32_t)i);
         best = k > best ? k : best;
     }
     const kdt::u64 top = Reduce(tmp).Reduce(best, [](kdt::u64 a, kdt::u64 b) { return a > b ? a : b; });
-    if (threadIdx.x == 0) out[blockIdx.x] = (int)~(uint32_t)(top & 0xFFFFFFFFu);
+    if (threadIdx.x == 0) atomicMax(keys + blockIdx.y, top);
+}
+
+extern "C" __global__ void __launch_bounds__(256) rowops_argmax_finish(kdt::u64* keys, int rows, int* out) {
+    for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += gridDim.x * blockDim.x) {
+        out[r] = (int)~(uint32_t)(keys[r] & 0xFFFFFFFFu);
+        keys[r] = 0;
+    }
 }

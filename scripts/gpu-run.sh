@@ -13,7 +13,8 @@
 #        (tool, binary) jobs at a time, each with --test-threads SANITIZE_THREADS (default 2) and, when
 #        SANITIZE_TIMEOUT (seconds) is set, killed after that long; sanitize:quick only the fixture and
 #        batch-invariance tests (matches_every_fixture, batch_invariant) of every binary; sanitize:NAME
-#        every test of gpu-pack/tests/NAME
+#        every test of gpu-pack/tests/NAME; SANITIZE_SPLIT=1 runs every test as its own job (logs
+#        TOOL-BINARY-TEST.log), so that the slow ones run side by side
 #        BENCH_ARGS="..." adds criterion options to every bench, e.g. BENCH_ARGS="--warm-up-time 2
 #        --measurement-time 8" for the sustained runs of notes/benchmarks-history-2026-11.md, session 23
 #        (default: tests sanitize bench)
@@ -67,7 +68,8 @@ run_tests() {
 sanitize_one() {
     local tool=$1 t=$2 name log start rc
     shift 2
-    name=$(basename "$t")
+    name=$(basename "$t")${SANITIZE_SPLIT:+-$1}
+    name=${name//::/-}
     log="$logs/$tool-$name.log"
     start=$SECONDS
     timeout --kill-after=30 "${SANITIZE_TIMEOUT:-0}" \
@@ -91,6 +93,14 @@ run_sanitizer() {
     shift
     for tool in racecheck memcheck; do
         for t in gpu-pack/tests/$only; do
+            if [ -n "${SANITIZE_SPLIT:-}" ] && [ $# = 0 ]; then
+                # One job per test (libtest's terse list: "name: test").
+                for name in $("$t" --list --format terse 2>/dev/null | sed -n 's/: test$//p'); do
+                    while [ "$(jobs -rp | wc -l)" -ge "${SANITIZE_JOBS:-8}" ]; do wait -n; done
+                    sanitize_one "$tool" "$t" "$name" --exact --test-threads 1 &
+                done
+                continue
+            fi
             while [ "$(jobs -rp | wc -l)" -ge "${SANITIZE_JOBS:-8}" ]; do wait -n; done
             sanitize_one "$tool" "$t" "$@" --test-threads "${SANITIZE_THREADS:-2}" &
         done

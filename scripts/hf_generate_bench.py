@@ -11,13 +11,14 @@ Usage (on the GPU machine): python3 scripts/hf_generate_bench.py [--model fixtur
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from safetensors.torch import load_file, save_file
+from transformers import DeepseekV3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "reference"))
 from moe_fixtures import dequant  # noqa: E402
@@ -26,12 +27,12 @@ NEW_TOKENS = 256
 BATCHES = (1, 8, 32)
 
 
-def load(model_dir, dtype):
-    """The checkpoint as a transformers model on the GPU, its INT4 experts dequantized."""
+def dequantized_checkpoint(model_dir, out_dir):
+    """Writes the checkpoint to out_dir with every INT4 routed expert dequantized to float32 (exact) and no
+    quantization_config, in the per-expert names transformers converts when it loads."""
     raw = json.loads((model_dir / "config.json").read_text())
     raw.pop("quantization_config", None)
-    raw["attn_implementation"] = "sdpa"
-    config = DeepseekV3Config(**raw)
+    (out_dir / "config.json").write_text(json.dumps(raw))
     tensors = load_file(str(model_dir / "model.safetensors"))
     state = {}
     for name, t in tensors.items():
@@ -40,17 +41,15 @@ def load(model_dir, dtype):
         if name.endswith(".weight_packed"):
             base = name[: -len(".weight_packed")]
             scale = tensors[f"{base}.weight_scale"].view(torch.int16).numpy().view(np.uint16)
-            w = dequant(t.numpy(), scale).astype(np.float32)
-            state[f"{base}.weight"] = torch.from_numpy(w)
+            state[f"{base}.weight"] = torch.from_numpy(dequant(t.numpy(), scale).astype(np.float32))
         else:
-            state[name] = t.float()
-    model = DeepseekV3ForCausalLM(config)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
-    assert not missing and not unexpected, (missing, unexpected)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model.to("cuda", dtype=dtype).eval(), config
+            state[name] = t.float().contiguous()
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load(checkpoint, dtype):
+    model = DeepseekV3ForCausalLM.from_pretrained(str(checkpoint), dtype=dtype, attn_implementation="sdpa")
+    return model.to("cuda").eval(), model.config
 
 
 def tok_per_s(model, config, batch, cache):
@@ -76,8 +75,10 @@ def main():
     p.add_argument("--out")
     args = p.parse_args()
     rows = ["dtype,cache,batch,tok_per_s,seconds"]
+    checkpoint = Path(tempfile.mkdtemp(prefix="hf_bench_"))
+    dequantized_checkpoint(Path(args.model), checkpoint)
     for dtype in (torch.float32, torch.bfloat16):
-        model, config = load(Path(args.model), dtype)
+        model, config = load(checkpoint, dtype)
         for cache in ("static", "dynamic"):
             for batch in BATCHES:
                 rate, secs = tok_per_s(model, config, batch, cache)

@@ -100,6 +100,8 @@ struct Plans {
     moe: Option<SizedMoe>,
     /// Status word of the indexing row operations (embedding ids, cache slots, gathered rows).
     status: CudaSlice<i32>,
+    /// The argmax's per-row keys (zero between calls).
+    argmax_keys: CudaSlice<u64>,
 }
 
 /// The CUDA backend on one [`Gpu`] (see the module documentation).
@@ -120,8 +122,14 @@ unsafe impl Send for StepGraph {}
 impl CudaBackend {
     /// A backend on `gpu`.
     pub fn new(gpu: Gpu) -> Result<Self> {
-        let plans =
-            Plans { gemm: GemmPlan::new(&gpu, 1, &[])?, mla: None, tree_mla: None, moe: None, status: gpu.zeros(1)? };
+        let plans = Plans {
+            gemm: GemmPlan::new(&gpu, 1, &[])?,
+            mla: None,
+            tree_mla: None,
+            moe: None,
+            status: gpu.zeros(1)?,
+            argmax_keys: gpu.zeros(1)?,
+        };
         Ok(CudaBackend { gpu, plans: Mutex::new(plans), epoch: AtomicU64::new(0) })
     }
 
@@ -317,7 +325,12 @@ impl Backend for CudaBackend {
     }
 
     fn argmax(&self, x: &CudaSlice<f32>, vocab: usize, rows: usize, out: &mut CudaSlice<i32>) -> Result<()> {
-        rowops::argmax(&self.gpu, &x.as_view(), vocab, rows, &mut out.as_view_mut())
+        let mut plans = self.plans();
+        if plans.argmax_keys.len() < rows {
+            plans.argmax_keys = self.gpu.zeros(rows)?;
+            self.bump_epoch();
+        }
+        rowops::argmax(&self.gpu, &x.as_view(), vocab, rows, &mut out.as_view_mut(), &mut plans.argmax_keys)
     }
 
     fn attention(

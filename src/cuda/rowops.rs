@@ -5,13 +5,18 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaFunction, CudaModule, CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use super::{cuda_err, to_i32, Gpu};
 use crate::cpu::mla::{LATENT, ROPE, ROW};
 use crate::cpu::rowops::{QueryShape, ROPE_TABLE};
 use crate::error::{check_len, Error, Result};
+
+/// Longest row RMSNorm takes: the row is staged in shared memory (96 KiB).
+pub const MAX_NORM_DIM: usize = 24 * 1024;
+/// Values of a row each argmax block reduces.
+const ARGMAX_CHUNK: usize = 4096;
 
 /// Rows per block of the one-warp-per-row kernels.
 const ROWS_PER_BLOCK: usize = 4;
@@ -28,14 +33,22 @@ pub(crate) struct Kernels {
     add: CudaFunction,
     to_bf16: CudaFunction,
     gather: CudaFunction,
-    argmax: CudaFunction,
+    argmax_chunk: CudaFunction,
+    argmax_finish: CudaFunction,
 }
 
 impl Kernels {
     pub(crate) fn load(module: &Arc<CudaModule>) -> Result<Self> {
         let f = |name: &'static str| module.load_function(name).map_err(|e| cuda_err("load_function", e));
+        let rmsnorm = f("rowops_rmsnorm")?;
+        rmsnorm
+            .set_attribute(
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                (MAX_NORM_DIM * 4) as i32,
+            )
+            .map_err(|e| cuda_err("rowops_rmsnorm shared memory attribute", e))?;
         Ok(Kernels {
-            rmsnorm: f("rowops_rmsnorm")?,
+            rmsnorm,
             silu_mul: f("rowops_silu_mul")?,
             q_rows: f("rowops_q_rows")?,
             kv_rows: f("rowops_kv_rows")?,
@@ -43,7 +56,8 @@ impl Kernels {
             add: f("rowops_add")?,
             to_bf16: f("rowops_to_bf16")?,
             gather: f("rowops_gather")?,
-            argmax: f("rowops_argmax")?,
+            argmax_chunk: f("rowops_argmax_chunk")?,
+            argmax_finish: f("rowops_argmax_finish")?,
         })
     }
 }
@@ -117,7 +131,8 @@ pub fn rmsnorm(
         (to_i32("x stride", x_stride)?, to_i32("d", d)?, to_i32("y stride", y_stride)?, to_i32("rows", rows)?);
     let mut b = gpu.stream().launch_builder(&gpu.kernels.rowops.rmsnorm);
     b.arg(x).arg(&xs).arg(w).arg(&dd).arg(&eps).arg(&r).arg(y).arg(&ys);
-    unsafe { b.launch(warp_rows(rows)) }.map_err(|e| cuda_err("rowops_rmsnorm", e))?;
+    let cfg = LaunchConfig { shared_mem_bytes: (d * 4) as u32, ..block_rows(rows, 256)? };
+    unsafe { b.launch(cfg) }.map_err(|e| cuda_err("rowops_rmsnorm", e))?;
     gpu.after_launch("rowops_rmsnorm")
 }
 
@@ -288,8 +303,16 @@ pub fn gather(
     gpu.after_launch("rowops_gather")
 }
 
-/// `out[r]` = the argmax of row r of `x [rows, vocab]` (the contract's order).
-pub fn argmax(gpu: &Gpu, x: &CudaView<f32>, vocab: usize, rows: usize, out: &mut CudaViewMut<i32>) -> Result<()> {
+/// `out[r]` = the argmax of row r of `x [rows, vocab]` (the contract's order), through `keys` (`[rows]`,
+/// zero before the call and left zero after it).
+pub fn argmax(
+    gpu: &Gpu,
+    x: &CudaView<f32>,
+    vocab: usize,
+    rows: usize,
+    out: &mut CudaViewMut<i32>,
+    keys: &mut CudaSlice<u64>,
+) -> Result<()> {
     if vocab == 0 {
         return Err(Error::param("vocab", 0, "must be at least 1"));
     }
@@ -298,9 +321,22 @@ pub fn argmax(gpu: &Gpu, x: &CudaView<f32>, vocab: usize, rows: usize, out: &mut
     }
     at_least("x", x.len(), rows * vocab, format!("[{rows}, {vocab}]"))?;
     at_least("out", out.len(), rows, format!("[{rows}]"))?;
-    let v = to_i32("vocab", vocab)?;
-    let mut b = gpu.stream().launch_builder(&gpu.kernels.rowops.argmax);
-    b.arg(x).arg(&v).arg(out);
-    unsafe { b.launch(block_rows(rows, 256)?) }.map_err(|e| cuda_err("rowops_argmax", e))?;
-    gpu.after_launch("rowops_argmax")
+    at_least("argmax keys", keys.len(), rows, format!("[{rows}]"))?;
+    if rows > 65_535 {
+        return Err(Error::param("rows", rows, "argmax takes at most 65535 rows a call"));
+    }
+    let (v, chunk, r) = (to_i32("vocab", vocab)?, ARGMAX_CHUNK as i32, rows as i32);
+    let cfg = LaunchConfig {
+        grid_dim: (vocab.div_ceil(ARGMAX_CHUNK) as u32, rows as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(&gpu.kernels.rowops.argmax_chunk);
+    b.arg(x).arg(&v).arg(&chunk).arg(&mut *keys);
+    unsafe { b.launch(cfg) }.map_err(|e| cuda_err("rowops_argmax_chunk", e))?;
+    gpu.after_launch("rowops_argmax_chunk")?;
+    let mut b = gpu.stream().launch_builder(&gpu.kernels.rowops.argmax_finish);
+    b.arg(&mut *keys).arg(&r).arg(out);
+    unsafe { b.launch(elementwise(rows)) }.map_err(|e| cuda_err("rowops_argmax_finish", e))?;
+    gpu.after_launch("rowops_argmax_finish")
 }
