@@ -13,7 +13,8 @@
 #        (tool, binary) jobs at a time, each with --test-threads SANITIZE_THREADS (default 2) and, when
 #        SANITIZE_TIMEOUT (seconds) is set, killed after that long; sanitize:quick only the fixture and
 #        batch-invariance tests (matches_every_fixture, batch_invariant) of every binary; sanitize:NAME
-#        every test of gpu-pack/tests/NAME; SANITIZE_SPLIT=1 runs every test as its own job (logs
+#        every test of gpu-pack/tests/NAME; SANITIZE_TOOLS (default "racecheck memcheck") picks the tools;
+#        SANITIZE_SPLIT=1 runs every test as its own job (logs
 #        TOOL-BINARY-TEST.log), so that the slow ones run side by side
 #        BENCH_ARGS="..." adds criterion options to every bench, e.g. BENCH_ARGS="--warm-up-time 2
 #        --measurement-time 8" for the sustained runs of notes/benchmarks-history-2026-11.md, session 23
@@ -91,7 +92,7 @@ sanitize_one() {
 run_sanitizer() {
     local only=$1 tool t
     shift
-    for tool in racecheck memcheck; do
+    for tool in ${SANITIZE_TOOLS:-racecheck memcheck}; do
         for t in gpu-pack/tests/$only; do
             if [ -n "${SANITIZE_SPLIT:-}" ] && [ $# = 0 ]; then
                 # One job per test (libtest's terse list: "name: test").
