@@ -6,8 +6,9 @@
 # case next to the test source) are copied to $OUT/proptest-regressions/, so that a case found here can
 # be committed in the repository (this machine has no git).
 # TESTS="gpu-pack/tests/NAME ..." limits the tests step to those binaries.
-# Usage: scripts/gpu-run.sh [tests|engine|sanitize|sanitize:quick|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
+# Usage: scripts/gpu-run.sh [tests|engine|step|sanitize|sanitize:quick|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
 #        (FILTER: a criterion name filter, e.g. bench:mla:gpu_decode runs only those rows)
+#        step: the Kimi-K2-shaped step table (examples/bench_step, random weights, 64 and 8 heads)
 #        engine: the engine's tok/s table beside transformers' (examples/bench_generate, scripts/hf_generate_bench.py)
 #        sanitize: memcheck and racecheck of every test of every binary, SANITIZE_JOBS (default 8)
 #        (tool, binary) jobs at a time, each with --test-threads SANITIZE_THREADS (default 2) and, when
@@ -175,6 +176,16 @@ run_engine() {
     note "transformers generate: exit $? | $(tr '\n' ' ' <"$logs/transformers.log" | tail -c 1200)"
 }
 
+# The model step at Kimi-K2 dimensions with random weights (examples/bench_step.rs), 64 heads and 8 (one GPU's
+# share of eight): step times, per-stage tables, 61-layer projections; CSVs under $OUT.
+run_step_bench() {
+    local heads
+    for heads in 64 8; do
+        gpu-pack/examples/bench_step --gpu --heads $heads --out "$out/step-h$heads.csv" >"$logs/step-h$heads.log" 2>&1
+        note "bench_step --heads $heads: exit $? | $(tail -c 2500 "$logs/step-h$heads.log")"
+    done
+}
+
 run_bench() {
     local name=$1 filter=${2:-}
     # shellcheck disable=SC2086  # BENCH_ARGS holds several options
@@ -189,6 +200,7 @@ for step in $steps; do
     case $step in
         tests) run_tests ;;
         engine) run_engine ;;
+        step) run_step_bench ;;
         sanitize) run_sanitizer '*' ;;
         sanitize:quick) run_sanitizer '*' matches_every_fixture batch_invariant ;;
         sanitize:*) run_sanitizer "${step#sanitize:}" ;;

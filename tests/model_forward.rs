@@ -9,6 +9,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::worst_rel_l2;
+use kdtree_engine::cpu::backend::CpuBackend;
 use kdtree_engine::fixture::Fixture;
 use kdtree_engine::model::backend::Backend;
 use kdtree_engine::model::config::Config;
@@ -372,6 +373,43 @@ fn check_mixed_step_is_batch_invariant<B: Backend>(model: &Model<B>) {
 #[test]
 fn a_mixed_step_of_prefill_decode_and_tree_rows_is_batch_invariant() {
     check_mixed_step_is_batch_invariant(&Model::load(tiny_dir()).unwrap());
+}
+
+/// A model of the tiny checkpoint's shape with random weights from the backend (no checkpoint) takes the
+/// same step paths: its tree rows equal their paths, and a mixed step equals each request alone.
+#[test]
+fn a_random_model_takes_every_step_path() {
+    let config = Config::from_file(tiny_dir().join("config.json")).unwrap();
+    let model = Model::random(config, CpuBackend, 7).unwrap();
+    check_tree_rows_equal_their_paths(&model);
+    check_mixed_step_is_batch_invariant(&model);
+}
+
+/// A profiled step times every stage of every layer in order, and is a real step: its cache then
+/// gives the bits of an unprofiled twin.
+#[test]
+fn a_profiled_step_times_every_stage_of_every_layer() {
+    use kdtree_engine::model::Stage;
+    let model = Model::load(tiny_dir()).unwrap();
+    let (mut cache, seq) = prefilled(&model, &[1, 2, 3]);
+    let (mut twin, twin_seq) = prefilled(&model, &[1, 2, 3]);
+    let request = |seq| [StepRequest { seq, tokens: &[4], tree: None }];
+    let times = model.profile_step(&mut cache, &request(seq), Logits::Last).unwrap();
+    model.step(&mut twin, &request(twin_seq), Logits::Last).unwrap();
+    let c = model.config();
+    for l in 0..c.num_hidden_layers {
+        let stages: std::collections::BTreeSet<Stage> =
+            times.iter().filter(|t| t.layer == Some(l)).map(|t| t.stage).collect();
+        let mut want = vec![Stage::Elementwise, Stage::Projections, Stage::Attention];
+        want.extend(if c.is_moe_layer(l) { vec![Stage::Moe, Stage::SharedExpert] } else { vec![Stage::DenseMlp] });
+        assert_eq!(stages, want.into_iter().collect(), "layer {l}");
+    }
+    assert_eq!(times.last().map(|t| (t.layer, t.stage)), Some((None, Stage::LmHead)));
+    let next = model.forward(&mut cache, &[(seq, &[5])], Logits::Last).unwrap();
+    assert!(
+        next == model.forward(&mut twin, &[(twin_seq, &[5])], Logits::Last).unwrap(),
+        "profiled step's cache differs"
+    );
 }
 
 /// Trees that the step cannot take are errors naming the problem, before anything is written.

@@ -2,6 +2,8 @@
 
 use half::bf16;
 
+use std::time::{Duration, Instant};
+
 use rayon::prelude::*;
 
 use crate::cpu::gemm_bf16::{dot, gemm_bf16};
@@ -81,11 +83,28 @@ fn write_rows(got: &MlaOutput, heads: usize, first_row: usize, o: &mut [f32], ls
     Ok(())
 }
 
+/// A xorshift64 stream (`seed` 0 is mapped to 1).
+fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut s = seed | 1;
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    }
+}
+
+/// A group scale in [0.002, 0.006).
+fn random_scale(next: &mut impl FnMut() -> u64) -> f32 {
+    0.002 + 0.004 * ((next() >> 40) as f32 / (1u64 << 24) as f32)
+}
+
 impl Backend for CpuBackend {
     type Buf<T: Elem> = Vec<T>;
     type Linear = HostLinear;
     type Experts = HostExperts;
     type Graph = ();
+    type Mark = Instant;
 
     fn name(&self) -> String {
         "cpu".into()
@@ -126,6 +145,40 @@ impl Backend for CpuBackend {
             inter: experts.inter,
             w13: owned(&experts.w13),
             w2: owned(&experts.w2),
+        })
+    }
+
+    fn random_linear(&self, batch: usize, out: usize, inp: usize, seed: u64) -> Result<HostLinear> {
+        Ok(HostLinear { w: self.random_table(batch * out, inp, seed)?, batch, out, inp })
+    }
+
+    fn random_table(&self, rows: usize, cols: usize, seed: u64) -> Result<Vec<bf16>> {
+        let mut next = xorshift(seed);
+        let scales: Vec<f32> = (0..rows * cols.div_ceil(32)).map(|_| random_scale(&mut next)).collect();
+        Ok((0..rows * cols)
+            .map(|i| {
+                let q = (next() >> 60) as f32 - 8.0;
+                bf16::from_f32(q * scales[(i / cols) * cols.div_ceil(32) + (i % cols) / 32])
+            })
+            .collect())
+    }
+
+    fn random_experts(&self, count: usize, hidden: usize, inter: usize, seed: u64) -> Result<HostExperts> {
+        let random = |rows: usize, cols: usize, seed: u64| -> Result<Int4Owned> {
+            if cols == 0 || !cols.is_multiple_of(32) {
+                return Err(Error::param("expert input features", cols, "must be a positive multiple of 32"));
+            }
+            let mut next = xorshift(seed);
+            let packed = (0..rows * cols / 8).map(|_| (next() >> 32) as i32).collect();
+            let scale = (0..rows * cols / 32).map(|_| bf16::from_f32(random_scale(&mut next))).collect();
+            Ok(Int4Owned { packed, scale })
+        };
+        Ok(HostExperts {
+            count,
+            hidden,
+            inter,
+            w13: random(count * 2 * inter, hidden, seed)?,
+            w2: random(count * hidden, inter, seed ^ 0x9E37_79B9)?,
         })
     }
 
@@ -325,6 +378,14 @@ impl Backend for CpuBackend {
 
     fn plan_epoch(&self) -> u64 {
         0
+    }
+
+    fn mark(&self) -> Result<Instant> {
+        Ok(Instant::now())
+    }
+
+    fn elapsed(&self, from: &Instant, to: &Instant) -> Result<Duration> {
+        Ok(to.saturating_duration_since(*from))
     }
 
     fn check(&self) -> Result<()> {

@@ -8,12 +8,14 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaView, CudaViewMut};
+use std::time::Duration;
+
+use cudarc::driver::{sys, CudaEvent, CudaGraph, CudaSlice, CudaView, CudaViewMut};
 use half::bf16;
 
 use super::gemm_bf16::{DeviceWeight, GemmPlan, Strides};
 use super::mla::{DeviceCache, DeviceMlaOutput, MlaPlan};
-use super::moe_int4::{DeviceExperts, MoePlan};
+use super::moe_int4::{dequantize_native, random_native, DeviceExperts, DeviceInt4, ExpertsShape, MoePlan};
 use super::rowops::{self, KvRowInputs};
 use super::{cuda_err, Gpu};
 use crate::cpu::mla::ROW;
@@ -21,6 +23,9 @@ use crate::cpu::moe_int4::Experts;
 use crate::cpu::rowops::QueryShape;
 use crate::error::{Error, Result};
 use crate::model::backend::{AttentionInputs, Backend, Elem, HeadStrides, KvWrite, TreeRows};
+
+/// Group scales of the random weights ([`Backend::random_linear`]).
+const RANDOM_SCALES: (f32, f32) = (0.002, 0.006);
 
 /// An MLA plan with the maxima it was made for: requests, rows per request, heads, sequence length.
 struct SizedMla {
@@ -177,6 +182,7 @@ impl Backend for CudaBackend {
     type Linear = DeviceWeight;
     type Experts = DeviceExperts;
     type Graph = StepGraph;
+    type Mark = CudaEvent;
 
     fn name(&self) -> String {
         self.gpu.name().unwrap_or_else(|_| "cuda".into())
@@ -220,6 +226,24 @@ impl Backend for CudaBackend {
 
     fn experts(&self, experts: &Experts) -> Result<DeviceExperts> {
         DeviceExperts::upload(&self.gpu, experts)
+    }
+
+    fn random_linear(&self, batch: usize, out: usize, inp: usize, seed: u64) -> Result<DeviceWeight> {
+        DeviceWeight::from_device(self.random_table(batch * out, inp, seed)?, batch, out, inp)
+    }
+
+    fn random_table(&self, rows: usize, cols: usize, seed: u64) -> Result<CudaSlice<bf16>> {
+        let (packed, scale) = random_native(&self.gpu, rows, cols, seed, RANDOM_SCALES)?;
+        dequantize_native(&self.gpu, &packed, &scale)
+    }
+
+    fn random_experts(&self, count: usize, hidden: usize, inter: usize, seed: u64) -> Result<DeviceExperts> {
+        let shape = ExpertsShape { count, hidden, inter };
+        let (p13, s13) = random_native(&self.gpu, count * 2 * inter, hidden, seed, RANDOM_SCALES)?;
+        let (p2, s2) = random_native(&self.gpu, count * hidden, inter, seed ^ 0x9E37_79B9, RANDOM_SCALES)?;
+        let w13 = DeviceInt4::from_native(&self.gpu, p13, s13, count * 2 * inter, hidden)?;
+        let w2 = DeviceInt4::from_native(&self.gpu, p2, s2, count * hidden, inter)?;
+        DeviceExperts::new(shape, w13, w2)
     }
 
     fn matmul(&self, w: &DeviceWeight, x: &CudaSlice<f32>, tokens: usize, y: &mut CudaSlice<f32>) -> Result<()> {
@@ -425,6 +449,19 @@ impl Backend for CudaBackend {
 
     fn plan_epoch(&self) -> u64 {
         self.epoch.load(Ordering::Relaxed)
+    }
+
+    fn mark(&self) -> Result<CudaEvent> {
+        self.gpu
+            .stream()
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| cuda_err("record event", e))
+    }
+
+    fn elapsed(&self, from: &CudaEvent, to: &CudaEvent) -> Result<Duration> {
+        to.synchronize().map_err(|e| cuda_err("event synchronize", e))?;
+        let ms = from.elapsed_ms(to).map_err(|e| cuda_err("event elapsed", e))?;
+        Ok(Duration::from_secs_f64(f64::from(ms) * 1e-3))
     }
 
     fn check(&self) -> Result<()> {

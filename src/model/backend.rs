@@ -86,6 +86,8 @@ pub trait Backend: Send + Sync {
     type Experts: Send + Sync;
     /// A recorded sequence of operations that replays without the host launching each one.
     type Graph: Send;
+    /// A point in the backend's queue of work, for timing what ran between two ([`Backend::elapsed`]).
+    type Mark;
 
     /// A short name for messages ("cpu", or the GPU's name).
     fn name(&self) -> String;
@@ -105,6 +107,14 @@ pub trait Backend: Send + Sync {
     fn linear(&self, w: &[bf16], batch: usize, out: usize, inp: usize) -> Result<Self::Linear>;
     /// Places one layer's routed experts.
     fn experts(&self, experts: &Experts) -> Result<Self::Experts>;
+    /// A random weight `[batch, out, inp]` made where the backend lives (for models without a checkpoint,
+    /// e.g. a benchmark at real dimensions): INT4-grid values `(q - 8) · s` with per-32 scales `s` in
+    /// [0.002, 0.006), bf16, deterministic in `seed`. `inp` must be a multiple of 32 on CUDA.
+    fn random_linear(&self, batch: usize, out: usize, inp: usize, seed: u64) -> Result<Self::Linear>;
+    /// A random bf16 table `[rows, cols]` made like [`Backend::random_linear`]'s values.
+    fn random_table(&self, rows: usize, cols: usize, seed: u64) -> Result<Self::Buf<bf16>>;
+    /// Random INT4 routed experts of the given sizes (values and scales as [`Backend::random_linear`]).
+    fn random_experts(&self, count: usize, hidden: usize, inter: usize, seed: u64) -> Result<Self::Experts>;
 
     /// `y [tokens, out] = x [tokens, in] · wᵀ` for a one-matrix weight.
     fn matmul(&self, w: &Self::Linear, x: &Self::Buf<f32>, tokens: usize, y: &mut Self::Buf<f32>) -> Result<()>;
@@ -233,6 +243,11 @@ pub trait Backend: Send + Sync {
     /// Changes whenever one of the backend's internal plans reallocates its scratch, so that a graph
     /// recorded before knows it holds stale addresses.
     fn plan_epoch(&self) -> u64;
+
+    /// Marks the current end of the queued work.
+    fn mark(&self) -> Result<Self::Mark>;
+    /// Time the backend spent between two marks (on CUDA: waits for the second).
+    fn elapsed(&self, from: &Self::Mark, to: &Self::Mark) -> Result<std::time::Duration>;
 
     /// Reports what the operations since the last check found wrong on the device (a bad index, a page
     /// outside the cache); on the CPU every operation reports at once, so this is always Ok. One host

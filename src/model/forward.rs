@@ -266,6 +266,60 @@ pub enum Logits {
     Last,
 }
 
+/// A part of a step, for [`Model::profile_step`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Stage {
+    /// RMSNorms, the MLA query and cache rows (RoPE), residual adds, SiLU·mul, bf16 copies, the
+    /// embedding and the final row gather.
+    Elementwise,
+    /// The attention's dense projections: q (a, b or full), kv_a, the per-head absorption and value
+    /// products, o_proj.
+    Projections,
+    /// The MLA attention kernels (decode and tree verify).
+    Attention,
+    /// The router, the routing and the INT4 routed experts.
+    Moe,
+    /// The shared expert's GEMMs.
+    SharedExpert,
+    /// A dense layer's MLP GEMMs.
+    DenseMlp,
+    /// lm_head (and the argmax).
+    LmHead,
+}
+
+/// The time of one stage of a profiled step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StageTime {
+    /// The decoder layer, `None` before the first and after the last.
+    pub layer: Option<usize>,
+    /// The stage.
+    pub stage: Stage,
+    /// Backend time since the previous entry.
+    pub time: std::time::Duration,
+}
+
+/// Timing marks of a profiled step; off, every `lap` does nothing.
+struct Laps<'a, B: Backend> {
+    backend: &'a B,
+    on: bool,
+    layer: Option<usize>,
+    marks: Vec<(Option<usize>, Stage, B::Mark)>,
+}
+
+impl<'a, B: Backend> Laps<'a, B> {
+    fn off(backend: &'a B) -> Self {
+        Laps { backend, on: false, layer: None, marks: Vec::new() }
+    }
+
+    /// Attributes the work queued since the previous lap to `stage`.
+    fn lap(&mut self, stage: Stage) -> Result<()> {
+        if self.on {
+            self.marks.push((self.layer, stage, self.backend.mark()?));
+        }
+        Ok(())
+    }
+}
+
 /// One sequence's part of a step ([`Model::step`]).
 #[derive(Clone, Copy, Debug)]
 pub struct StepRequest<'a> {
@@ -374,6 +428,81 @@ impl<B: Backend> Model<B> {
         })
     }
 
+    /// A model of `config`'s shape with random weights made on `backend` (no checkpoint): every norm
+    /// weight 1, the router bias 0, every other weight from [`Backend::random_linear`] (INT4-grid values),
+    /// the routed experts from [`Backend::random_experts`]. For measuring the step at real dimensions; its
+    /// outputs mean nothing.
+    pub fn random(config: Config, backend: B, seed: u64) -> Result<Self> {
+        let c = &config;
+        if c.qk_rope_head_dim != ROPE || c.kv_lora_rank != LATENT {
+            return Err(Error::param(
+                "kv_lora_rank / qk_rope_head_dim",
+                c.kv_lora_rank,
+                "the MLA kernels need 512 / 64",
+            ));
+        }
+        let b = &backend;
+        let (h, heads, nope, v) = (c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim);
+        // Each weight its own seed, from a linear congruential sequence.
+        let next = std::cell::Cell::new(seed);
+        let seed = || {
+            next.set(next.get().wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407));
+            next.get()
+        };
+        let ones = |dim: usize, eps: f64| -> Result<Norm<B>> {
+            Ok(Norm { w: b.upload(&vec![1f32; dim])?, eps: eps as f32, dim })
+        };
+        let dense = |out: usize, inp: usize| -> Result<Dense<B>> {
+            Ok(Dense { w: b.random_linear(1, out, inp, seed())?, out })
+        };
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let q_dim = heads * (nope + ROPE);
+            let q = match c.q_lora_rank {
+                None => Query::Full(dense(q_dim, h)?),
+                Some(r) => Query::LowRank(dense(r, h)?, ones(r, 1e-6)?, dense(q_dim, r)?),
+            };
+            let attn = Attention {
+                q,
+                kv_a: dense(ROW, h)?.w,
+                kv_a_norm: ones(LATENT, 1e-6)?,
+                w_uk: b.random_linear(heads, LATENT, nope, seed())?,
+                w_uv: b.random_linear(heads, v, LATENT, seed())?,
+                o_proj: dense(h, heads * v)?.w,
+            };
+            let mlp = |inter: usize| -> Result<Mlp<B>> {
+                Ok(Mlp { gate_up: dense(2 * inter, h)?.w, down: dense(h, inter)?.w, inter })
+            };
+            let ffn = if c.is_moe_layer(i) {
+                let shared =
+                    (c.n_shared_experts > 0).then(|| mlp(c.moe_intermediate_size * c.n_shared_experts)).transpose()?;
+                FeedForward::Moe(Box::new(Moe {
+                    router: dense(c.n_routed_experts, h)?.w,
+                    bias: b.zeros(c.n_routed_experts)?,
+                    experts: b.random_experts(c.n_routed_experts, h, c.moe_intermediate_size, seed())?,
+                    shared,
+                    top_k: c.num_experts_per_tok,
+                    scaling: c.routed_scaling_factor,
+                }))
+            } else {
+                FeedForward::Dense(mlp(c.intermediate_size)?)
+            };
+            let norm = ones(h, c.rms_norm_eps)?;
+            layers.push(Layer { input_norm: norm, attn, post_attn_norm: ones(h, c.rms_norm_eps)?, ffn });
+        }
+        Ok(Model {
+            embed: b.random_table(c.vocab_size, h, seed())?,
+            lm_head: b.random_linear(1, c.vocab_size, h, seed())?,
+            norm: ones(h, c.rms_norm_eps)?,
+            layers,
+            rope: Rope::new(c)?,
+            scratch: Mutex::new(None),
+            graphs: Mutex::new(Graphs { enabled: true, recorded: HashMap::new() }),
+            config,
+            backend,
+        })
+    }
+
     /// The model's configuration.
     pub fn config(&self) -> &Config {
         &self.config
@@ -417,14 +546,40 @@ impl<B: Backend> Model<B> {
     /// tree, with [`Logits::All`] every row, in request order.
     pub fn step(&self, cache: &mut KvCache<B>, requests: &[StepRequest], which: Logits) -> Result<Vec<f32>> {
         let vocab = self.config.vocab_size;
-        self.run_step(cache, requests, which, false, |b, s, rows| b.read(&s.logits, rows * vocab))
+        self.run_step(cache, requests, which, false, &mut Laps::off(&self.backend), |b, s, rows| {
+            b.read(&s.logits, rows * vocab)
+        })
     }
 
     /// Like [`Model::step`], but returns only the argmax token of each chosen row, computed where the
     /// backend lives.
     pub fn step_argmax(&self, cache: &mut KvCache<B>, requests: &[StepRequest], which: Logits) -> Result<Vec<u32>> {
-        let ids = self.run_step(cache, requests, which, true, |b, s, rows| b.read(&s.argmax, rows))?;
+        let mut laps = Laps::off(&self.backend);
+        let ids = self.run_step(cache, requests, which, true, &mut laps, |b, s, rows| b.read(&s.argmax, rows))?;
         Ok(ids.into_iter().map(|t| t as u32).collect())
+    }
+
+    /// Runs one step like [`Model::step_argmax`], op by op (never from a recorded graph), and returns the
+    /// time each stage of it took on the backend, in order: each entry is the work queued since the
+    /// previous one (on CUDA, measured between events, so launch gaps count to the stage after them).
+    pub fn profile_step(
+        &self,
+        cache: &mut KvCache<B>,
+        requests: &[StepRequest],
+        which: Logits,
+    ) -> Result<Vec<StageTime>> {
+        let mut laps = Laps {
+            backend: &self.backend,
+            on: true,
+            layer: None,
+            marks: vec![(None, Stage::Elementwise, self.backend.mark()?)],
+        };
+        self.run_step(cache, requests, which, true, &mut laps, |_, _, _| Ok(()))?;
+        let b = &self.backend;
+        laps.marks
+            .windows(2)
+            .map(|w| Ok(StageTime { layer: w[1].0, stage: w[1].1, time: b.elapsed(&w[0].2, &w[1].2)? }))
+            .collect()
     }
 
     /// Like [`Model::forward`], but returns only the argmax token of each chosen row, computed where the
@@ -441,6 +596,7 @@ impl<B: Backend> Model<B> {
         requests: &[StepRequest],
         which: Logits,
         argmax: bool,
+        laps: &mut Laps<B>,
         finish: impl FnOnce(&B, &Scratch<B>, usize) -> Result<T>,
     ) -> Result<T> {
         let inputs = self.plan_step(cache, requests, which)?;
@@ -457,7 +613,7 @@ impl<B: Backend> Model<B> {
         let s = guard.as_mut().expect("made above");
         self.upload_inputs(s, &inputs)?;
         let graphable = requests.iter().all(|r| r.tree.is_some() || r.tokens.len() == 1);
-        let key = (graphs.enabled && graphable).then(|| GraphKey {
+        let key = (graphs.enabled && graphable && !laps.on).then(|| GraphKey {
             cache: cache.id,
             tokens,
             decode_rows: inputs.decode_rows,
@@ -471,9 +627,9 @@ impl<B: Backend> Model<B> {
         match key.and_then(|k| graphs.recorded.get(&k)).filter(|(e, _)| *e == epoch) {
             Some((_, graph)) => b.replay(graph)?,
             None => {
-                self.record(cache, &inputs, s, argmax)?;
+                self.record(cache, &inputs, s, argmax, laps)?;
                 if let Some(key) = key {
-                    let graph = b.capture(&mut || self.record(cache, &inputs, s, argmax))?;
+                    let graph = b.capture(&mut || self.record(cache, &inputs, s, argmax, &mut Laps::off(b)))?;
                     if graphs.recorded.len() >= MAX_GRAPHS {
                         graphs.recorded.clear();
                     }
@@ -492,26 +648,40 @@ impl<B: Backend> Model<B> {
 
     /// Queues every operation of a step whose inputs are in the scratch: the layers, the final norm of the
     /// chosen rows, lm_head, and with `argmax` their argmax.
-    fn record(&self, cache: &mut KvCache<B>, inputs: &StepInputs, s: &mut Scratch<B>, argmax: bool) -> Result<()> {
+    fn record(
+        &self,
+        cache: &mut KvCache<B>,
+        inputs: &StepInputs,
+        s: &mut Scratch<B>,
+        argmax: bool,
+        laps: &mut Laps<B>,
+    ) -> Result<()> {
         let b = &self.backend;
         let (tokens, picked) = (inputs.ids.len(), inputs.pick.len());
         let h = self.config.hidden_size;
         b.embed(&self.embed, h, &s.ids, tokens, &mut s.x)?;
+        laps.lap(Stage::Elementwise)?;
         for (l, layer) in self.layers.iter().enumerate() {
+            laps.layer = Some(l);
             layer.input_norm.run(b, &s.x, tokens, &mut s.normed)?;
-            self.attention(layer, &mut cache.storage[l], cache.layout, inputs, s)?;
+            laps.lap(Stage::Elementwise)?;
+            self.attention(layer, &mut cache.storage[l], cache.layout, inputs, s, laps)?;
             b.add(&mut s.x, &s.out, tokens * h)?;
             layer.post_attn_norm.run(b, &s.x, tokens, &mut s.normed)?;
-            self.feed_forward(&layer.ffn, tokens, s)?;
+            laps.lap(Stage::Elementwise)?;
+            self.feed_forward(&layer.ffn, tokens, s, laps)?;
             b.add(&mut s.x, &s.out, tokens * h)?;
+            laps.lap(Stage::Elementwise)?;
         }
+        laps.layer = None;
         b.gather(&s.x, h, tokens, &s.pick, picked, &mut s.last)?;
         self.norm.run(b, &s.last, picked, &mut s.last_normed)?;
+        laps.lap(Stage::Elementwise)?;
         b.matmul(&self.lm_head, &s.last_normed, picked, &mut s.logits)?;
         if argmax {
             b.argmax(&s.logits, self.config.vocab_size, picked, &mut s.argmax)?;
         }
-        Ok(())
+        laps.lap(Stage::LmHead)
     }
 
     /// Checks the requests, reserves their cache pages (an error here leaves every cache row as it was)
@@ -611,10 +781,12 @@ impl<B: Backend> Model<B> {
         layout: KvLayout,
         x: &StepInputs,
         s: &mut Scratch<B>,
+        laps: &mut Laps<B>,
     ) -> Result<()> {
         let (b, c, w) = (&self.backend, &self.config, &layer.attn);
         let (t, heads, nope, v) = (x.ids.len(), c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim);
         b.matmul(&w.kv_a, &s.normed, t, &mut s.kv)?;
+        laps.lap(Stage::Projections)?;
         let write = KvWrite {
             kv: &s.kv,
             norm_w: &w.kv_a_norm.w,
@@ -624,11 +796,14 @@ impl<B: Backend> Model<B> {
             slot: &s.slot,
         };
         b.kv_rows(&write, t, cache)?;
+        laps.lap(Stage::Elementwise)?;
         match &w.q {
             Query::Full(q) => b.matmul(&q.w, &s.normed, t, &mut s.q)?,
             Query::LowRank(a, norm, q) => {
                 b.matmul(&a.w, &s.normed, t, &mut s.q_a)?;
+                laps.lap(Stage::Projections)?;
                 b.rmsnorm(&s.q_a, a.out, &norm.w, norm.eps, t, &mut s.q_a_normed, a.out)?;
+                laps.lap(Stage::Elementwise)?;
                 b.matmul(&q.w, &s.q_a_normed, t, &mut s.q)?;
             }
         }
@@ -636,8 +811,10 @@ impl<B: Backend> Model<B> {
         let q_strides = HeadStrides { row: heads * q_width, head: q_width };
         let latent_strides = HeadStrides { row: heads * LATENT, head: LATENT };
         b.matmul_heads(&w.w_uk, &s.q, q_strides, t, &mut s.q_latent, latent_strides)?;
+        laps.lap(Stage::Projections)?;
         let shape = QueryShape { heads, nope };
         b.q_rows(&s.q_latent, &s.q, shape, &s.table, t, self.rope.interleave(), &mut s.q_rows)?;
+        laps.lap(Stage::Elementwise)?;
         let scale = c.softmax_scale() as f32;
         if x.decode_rows > 0 {
             let inputs = AttentionInputs {
@@ -660,24 +837,28 @@ impl<B: Backend> Model<B> {
             let first = x.decode_rows;
             b.tree_attention(&s.q_rows, heads, first, tree.shape, &inputs, &s.visibility, scale, &mut s.o, &mut s.lse)?;
         }
+        laps.lap(Stage::Attention)?;
         let value_strides = HeadStrides { row: heads * v, head: v };
         b.matmul_heads(&w.w_uv, &s.o, latent_strides, t, &mut s.values, value_strides)?;
-        b.matmul(&w.o_proj, &s.values, t, &mut s.out)
+        b.matmul(&w.o_proj, &s.values, t, &mut s.out)?;
+        laps.lap(Stage::Projections)
     }
 
     /// The feed-forward block on `s.normed` into `s.out`.
-    fn feed_forward(&self, ffn: &FeedForward<B>, t: usize, s: &mut Scratch<B>) -> Result<()> {
+    fn feed_forward(&self, ffn: &FeedForward<B>, t: usize, s: &mut Scratch<B>, laps: &mut Laps<B>) -> Result<()> {
         let b = &self.backend;
         let h = self.config.hidden_size;
         match ffn {
-            FeedForward::Dense(mlp) => self.mlp(mlp, t, s, false),
+            FeedForward::Dense(mlp) => self.mlp(mlp, t, s, false, laps),
             FeedForward::Moe(moe) => {
-                b.matmul(&moe.router, &s.normed, t, &mut s.router)?;
                 b.to_bf16(&s.normed, t * h, &mut s.x16)?;
+                laps.lap(Stage::Elementwise)?;
+                b.matmul(&moe.router, &s.normed, t, &mut s.router)?;
                 b.moe(&s.router, &moe.bias, moe.top_k, moe.scaling, &s.x16, &moe.experts, t, &mut s.out)?;
+                laps.lap(Stage::Moe)?;
                 match &moe.shared {
                     Some(shared) => {
-                        self.mlp(shared, t, s, true)?;
+                        self.mlp(shared, t, s, true, laps)?;
                         b.add(&mut s.out, &s.shared_out, t * h)
                     }
                     None => Ok(()),
@@ -687,12 +868,16 @@ impl<B: Backend> Model<B> {
     }
 
     /// The gated MLP on `s.normed`, into `s.out` (or `s.shared_out` for the shared expert).
-    fn mlp(&self, mlp: &Mlp<B>, t: usize, s: &mut Scratch<B>, shared: bool) -> Result<()> {
+    fn mlp(&self, mlp: &Mlp<B>, t: usize, s: &mut Scratch<B>, shared: bool, laps: &mut Laps<B>) -> Result<()> {
         let b = &self.backend;
+        let stage = if shared { Stage::SharedExpert } else { Stage::DenseMlp };
         b.matmul(&mlp.gate_up, &s.normed, t, &mut s.gate_up)?;
+        laps.lap(stage)?;
         b.silu_mul(&s.gate_up, mlp.inter, t, &mut s.act)?;
+        laps.lap(Stage::Elementwise)?;
         let out = if shared { &mut s.shared_out } else { &mut s.out };
-        b.matmul(&mlp.down, &s.act, t, out)
+        b.matmul(&mlp.down, &s.act, t, out)?;
+        laps.lap(stage)
     }
 }
 

@@ -1,0 +1,308 @@
+//! The model step at real dimensions, without a checkpoint: a Kimi-K2-shaped model (hidden 7168, 384
+//! INT4 experts top-8 with I 2048 and one shared expert, q_lora 1536, vocab 163840; 64 heads, or 8 as
+//! one GPU's share of eight) with `--layers` layers (the first dense, as in Kimi-K2) of random weights
+//! made on the backend ([`Model::random`]), run through the same step code as a checkpoint.
+//!
+//! Every sequence first gets a `--prefix`-token prefill. Then, for each batch: decode steps, and tree
+//! steps of N rows (a heap-shaped tree: node i's parent is (i - 1) / 2); each timed as the mean of
+//! `--steps` steps replayed from recorded graphs (input copies and the argmax read-back included), and
+//! once op by op with CUDA events for the per-stage table ([`Model::profile_step`]). Prints the table,
+//! each step's share per stage, the 61-layer projection and the verify-to-decode ratio, and writes
+//! CSV with `--out`.
+//!
+//! ```text
+//! cargo run --release --features cuda --example bench_step -- --gpu --heads 64
+//! cargo run --release --example bench_step -- --config fixtures/tiny_model/config.json --prefix 64
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use kdtree_engine::model::backend::Backend;
+use kdtree_engine::model::config::Config;
+use kdtree_engine::model::{Logits, Model, Stage, StageTime, StepRequest, TreeInput};
+use kdtree_engine::{Error, Result};
+
+#[derive(Parser, Debug)]
+#[command(about = "The model step at Kimi-K2 dimensions with random weights: step times and per-stage table")]
+struct Args {
+    /// Run on the CUDA backend (needs the `cuda` feature and a device).
+    #[arg(long)]
+    gpu: bool,
+    /// A config.json to use instead of the built-in Kimi-K2 shape (its layer count and heads are kept).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Attention heads of the built-in shape: 64 (one GPU holds the model) or 8 (a GPU's share of 8).
+    #[arg(long, default_value_t = 64)]
+    heads: usize,
+    /// Decoder layers of the built-in shape (the first dense, the others MoE).
+    #[arg(long, default_value_t = 3)]
+    layers: usize,
+    /// Prefix tokens per sequence before the measured steps.
+    #[arg(long, default_value_t = 4096)]
+    prefix: usize,
+    /// Decode batches, comma-separated.
+    #[arg(long, default_value = "1,8,32", value_delimiter = ',')]
+    batches: Vec<usize>,
+    /// Tree rows per sequence (root included), comma-separated.
+    #[arg(long, default_value = "16,33,65", value_delimiter = ',')]
+    trees: Vec<usize>,
+    /// Tree batches, comma-separated.
+    #[arg(long, default_value = "1,8", value_delimiter = ',')]
+    tree_batches: Vec<usize>,
+    /// Timed steps per configuration.
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// Also write the table as CSV here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// Kimi-K2's shape (config.json of moonshotai/Kimi-K2-Instruct, research/kimi-int4.md) with `layers`
+/// layers and `heads` heads.
+fn kimi_config(layers: usize, heads: usize) -> Result<Config> {
+    Config::from_json(&format!(
+        r#"{{"vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": {layers}, "num_attention_heads": {heads}, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 384,
+        "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "routed_scaling_factor": 2.827, "norm_topk_prob": true, "rms_norm_eps": 1e-6, "rope_theta": 50000.0,
+        "max_position_embeddings": 131072, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid", "rope_scaling": {{"type": "yarn", "factor": 32.0, "beta_fast": 1.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}}}}"#
+    ))
+}
+
+/// One measured step shape.
+struct Row {
+    kind: &'static str,
+    batch: usize,
+    rows: usize,
+    step: Duration,
+    stages: Vec<StageTime>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<()> {
+    let config = match &args.config {
+        Some(path) => Config::from_file(path)?,
+        None => kimi_config(args.layers, args.heads)?,
+    };
+    if args.steps == 0 || args.batches.contains(&0) || args.tree_batches.contains(&0) {
+        return Err(Error::param("--steps / --batches / --tree-batches", 0, "every count must be at least 1"));
+    }
+    if let Some(&n) = args.trees.iter().find(|&&n| n == 0 || n > 257) {
+        return Err(Error::param("--trees", n, "tree rows must be in 1..=257"));
+    }
+    if !args.gpu {
+        return bench(args, Model::random(config, kdtree_engine::cpu::backend::CpuBackend, 1)?);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let gpu = kdtree_engine::cuda::Gpu::new(0)?;
+        bench(args, Model::random(config, kdtree_engine::cuda::backend::CudaBackend::new(gpu)?, 1)?)
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(Error::param("--gpu", true, "this build has no CUDA backend: build with `--features cuda`"))
+}
+
+/// A heap-shaped tree of `n` rows: depths and visibility bits (each row sees itself and its ancestors).
+fn heap_tree(n: usize) -> (Vec<u32>, Vec<u32>) {
+    let words = n.div_ceil(32);
+    let mut depth = vec![0u32; n];
+    let mut visibility = vec![0u32; n * words];
+    for i in 0..n {
+        let mut node = i;
+        loop {
+            visibility[i * words + node / 32] |= 1 << (node % 32);
+            if node == 0 {
+                break;
+            }
+            node = (node - 1) / 2;
+            depth[i] += 1;
+        }
+    }
+    (depth, visibility)
+}
+
+fn bench<B: Backend>(args: &Args, model: Model<B>) -> Result<()> {
+    let c = model.config().clone();
+    let max_batch = args.batches.iter().chain(&args.tree_batches).copied().max().unwrap_or(1);
+    let max_tree = args.trees.iter().copied().max().unwrap_or(1);
+    let len = args.prefix + args.steps * (args.batches.len() + 2) + max_tree + 8;
+    let page = 64;
+    let mut cache = model.new_cache(max_batch * len.div_ceil(page), page, len)?;
+    let seqs: Vec<usize> = (0..max_batch).map(|_| cache.add_sequence()).collect();
+    let token = |i: usize| ((i * 7919 + 13) % c.vocab_size) as u32;
+    let start = Instant::now();
+    for &seq in &seqs {
+        let prompt: Vec<u32> = (0..args.prefix).map(|i| token(i + seq)).collect();
+        for chunk in prompt.chunks(1024) {
+            model.forward_argmax(&mut cache, &[(seq, chunk)], Logits::Last)?;
+        }
+    }
+    eprintln!(
+        "{}: {} sequences of {} prefix tokens in {:.1?}",
+        model.backend().name(),
+        seqs.len(),
+        args.prefix,
+        start.elapsed()
+    );
+    let mut rows = Vec::new();
+    for &batch in &args.batches {
+        let tokens: Vec<u32> = (0..batch).map(token).collect();
+        let requests: Vec<StepRequest> = seqs[..batch]
+            .iter()
+            .zip(&tokens)
+            .map(|(&seq, t)| StepRequest { seq, tokens: std::slice::from_ref(t), tree: None })
+            .collect();
+        rows.push(measure(&model, &mut cache, &requests, "decode", batch, 1, args.steps)?);
+    }
+    for &n in &args.trees {
+        let (depth, visibility) = heap_tree(n);
+        let tokens: Vec<u32> = (0..n).map(token).collect();
+        for &batch in &args.tree_batches {
+            let tree = Some(TreeInput { depth: &depth, visibility: &visibility });
+            let requests: Vec<StepRequest> =
+                seqs[..batch].iter().map(|&seq| StepRequest { seq, tokens: &tokens, tree }).collect();
+            rows.push(measure(&model, &mut cache, &requests, "tree", batch, n, args.steps)?);
+        }
+    }
+    report(args, &model.backend().name(), &c, &rows)
+}
+
+/// The mean step time over `steps` steps (graphs on, after two warm-up steps) and one profiled step.
+fn measure<B: Backend>(
+    model: &Model<B>,
+    cache: &mut kdtree_engine::model::KvCache<B>,
+    requests: &[StepRequest],
+    kind: &'static str,
+    batch: usize,
+    rows: usize,
+    steps: usize,
+) -> Result<Row> {
+    for _ in 0..2 {
+        model.step_argmax(cache, requests, Logits::Last)?;
+    }
+    let start = Instant::now();
+    for _ in 0..steps {
+        model.step_argmax(cache, requests, Logits::Last)?;
+    }
+    let step = start.elapsed() / steps as u32;
+    let stages = model.profile_step(cache, requests, Logits::Last)?;
+    let profiled: Duration = stages.iter().map(|t| t.time).sum();
+    // Also printed as it goes, so that a run cut short still shows what it measured.
+    eprintln!("{kind} rows {rows} bs {batch}: {:.3} ms a step from graphs, {:.3} ms profiled", ms(step), ms(profiled));
+    Ok(Row { kind, batch, rows, step, stages })
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Per-stage sums of a profiled step, and the per-layer-kind times of the 61-layer projection.
+fn report(args: &Args, backend: &str, c: &Config, rows: &[Row]) -> Result<()> {
+    const ORDER: [Stage; 7] = [
+        Stage::Attention,
+        Stage::Projections,
+        Stage::Moe,
+        Stage::SharedExpert,
+        Stage::DenseMlp,
+        Stage::Elementwise,
+        Stage::LmHead,
+    ];
+    let mut csv = vec![format!(
+        "backend,heads,layers,kind,batch,rows,step_ms,profiled_ms,{},dense_layer_ms,moe_layer_ms,outside_ms,projected_61_ms",
+        ORDER.map(|s| format!("{s:?}_ms").to_lowercase()).join(",")
+    )];
+    println!(
+        "{backend}, {} heads, {} layers ({} MoE), prefix {}:",
+        c.num_attention_heads,
+        c.num_hidden_layers,
+        (0..c.num_hidden_layers).filter(|&l| c.is_moe_layer(l)).count(),
+        args.prefix
+    );
+    println!(
+        "| step | graph step | profiled | {} | dense layer | MoE layer | 61-layer projection |",
+        ORDER.map(|s| format!("{s:?}")).join(" | ")
+    );
+    println!("|---|---|---|{}---|---|---|", "---|".repeat(ORDER.len()));
+    for r in rows {
+        let mut by_stage: BTreeMap<Stage, Duration> = BTreeMap::new();
+        let (mut dense, mut moe, mut outside) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+        let moe_layers = (0..c.num_hidden_layers).filter(|&l| c.is_moe_layer(l)).count();
+        for t in &r.stages {
+            *by_stage.entry(t.stage).or_default() += t.time;
+            match t.layer {
+                Some(l) if c.is_moe_layer(l) => moe += t.time,
+                Some(_) => dense += t.time,
+                None => outside += t.time,
+            }
+        }
+        let profiled: Duration = by_stage.values().sum();
+        let moe_layer = if moe_layers > 0 { moe / moe_layers as u32 } else { Duration::ZERO };
+        let dense_layers = c.num_hidden_layers - moe_layers;
+        let dense_layer = if dense_layers > 0 { dense / dense_layers as u32 } else { Duration::ZERO };
+        // Kimi-K2: 61 layers, the first dense; embedding, final norm and lm_head once.
+        let projected = dense_layer + moe_layer * 60 + outside;
+        let cells: Vec<String> =
+            ORDER.iter().map(|s| format!("{:.3}", ms(by_stage.get(s).copied().unwrap_or_default()))).collect();
+        let name = if r.kind == "tree" {
+            format!("tree N {} bs {}", r.rows, r.batch)
+        } else {
+            format!("decode bs {}", r.batch)
+        };
+        println!(
+            "| {name} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {:.2} |",
+            ms(r.step),
+            ms(profiled),
+            cells.join(" | "),
+            ms(dense_layer),
+            ms(moe_layer),
+            ms(projected)
+        );
+        csv.push(format!(
+            "{backend},{},{},{},{},{},{:.4},{:.4},{},{:.4},{:.4},{:.4},{:.3}",
+            c.num_attention_heads,
+            c.num_hidden_layers,
+            r.kind,
+            r.batch,
+            r.rows,
+            ms(r.step),
+            ms(profiled),
+            cells.join(","),
+            ms(dense_layer),
+            ms(moe_layer),
+            ms(outside),
+            ms(projected)
+        ));
+    }
+    for r in rows.iter().filter(|r| r.kind == "tree") {
+        if let Some(d) = rows.iter().find(|d| d.kind == "decode" && d.batch == r.batch) {
+            println!(
+                "verify / decode, N {} bs {}: {:.2}x",
+                r.rows,
+                r.batch,
+                r.step.as_secs_f64() / d.step.as_secs_f64()
+            );
+        }
+    }
+    if let Some(out) = &args.out {
+        std::fs::write(out, csv.join("\n") + "\n")
+            .map_err(|e| Error::Data { path: out.clone(), detail: e.to_string() })?;
+    }
+    Ok(())
+}
