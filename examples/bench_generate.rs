@@ -9,6 +9,8 @@
 //! cargo run --release --features cuda --example bench_generate -- --gpu
 //! ```
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -50,14 +52,7 @@ struct Run {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
-    match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    common::exit_with(run(&Args::parse()))
 }
 
 fn run(args: &Args) -> Result<()> {

@@ -15,6 +15,8 @@
 //! cargo run --release --example bench_step -- --config fixtures/tiny_model/config.json --prefix 64
 //! ```
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -86,14 +88,7 @@ struct Row {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
-    match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    common::exit_with(run(&Args::parse()))
 }
 
 fn run(args: &Args) -> Result<()> {

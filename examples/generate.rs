@@ -10,6 +10,8 @@
 //! ```
 //! The default model is the tiny random checkpoint in `fixtures/tiny_model` (its text is noise).
 
+mod common;
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -66,14 +68,7 @@ fn check_args(args: &Args) -> Result<()> {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
-    match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    common::exit_with(run(&Args::parse()))
 }
 
 /// Loads the model on the backend `--gpu` asks for and generates.

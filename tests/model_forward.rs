@@ -412,6 +412,39 @@ fn a_profiled_step_times_every_stage_of_every_layer() {
     );
 }
 
+/// The last layer's hidden states are the residual stream lm_head reads: the final norm and lm_head
+/// applied on the host with the CPU backend's own row op and GEMM give the step's logits bit for bit; the
+/// argmax tokens come with them; and a layer out of range or asked twice is an error.
+#[test]
+fn hidden_states_of_the_last_layer_give_the_logits() {
+    let model = Model::load(tiny_dir()).unwrap();
+    let ckpt = Checkpoint::open(tiny_dir()).unwrap();
+    let c = model.config().clone();
+    let (h, layers) = (c.hidden_size, c.num_hidden_layers);
+    let prompt = ids(&case("story"), "input_ids");
+    let mut with_hidden = cache(&model);
+    let seq = with_hidden.add_sequence();
+    let request = |seq| [StepRequest { seq, tokens: &prompt, tree: None }];
+    let (tokens, hidden) = model.step_hidden(&mut with_hidden, &request(seq), Logits::All, &[layers - 1, 0]).unwrap();
+    assert_eq!(hidden.len(), 2 * prompt.len() * h);
+    let mut plain = cache(&model);
+    let plain_seq = plain.add_sequence();
+    let logits = model.step(&mut plain, &request(plain_seq), Logits::All).unwrap();
+    let w: Vec<f32> = ckpt.bf16("model.norm.weight", &[h]).unwrap().iter().map(|v| v.to_f32()).collect();
+    let mut normed = vec![0f32; prompt.len() * h];
+    kdtree_engine::cpu::rowops::rmsnorm(&hidden[..prompt.len() * h], &w, c.rms_norm_eps as f32, &mut normed).unwrap();
+    let head = ckpt.bf16("lm_head.weight", &[c.vocab_size, h]).unwrap();
+    let want = kdtree_engine::cpu::gemm_bf16::gemm_bf16(&head, c.vocab_size, h, &normed).unwrap();
+    assert!(want == logits, "lm_head(norm(last layer's hidden states)) differs from the step's logits");
+    let argmaxes: Vec<u32> = logits.chunks(c.vocab_size).map(argmax).collect();
+    assert_eq!(tokens, argmaxes);
+    assert_ne!(hidden[..prompt.len() * h], hidden[prompt.len() * h..], "layer 0 and the last layer differ");
+    for bad in [vec![layers], vec![0, 0]] {
+        let err = model.step_hidden(&mut with_hidden, &request(seq), Logits::Last, &bad).unwrap_err();
+        assert!(matches!(err, Error::Param { name: "hidden layers", .. }), "{bad:?}: {err}");
+    }
+}
+
 /// Trees that the step cannot take are errors naming the problem, before anything is written.
 #[test]
 fn bad_trees_are_errors() {

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use crate::cpu::gemm_bf16::{dot, gemm_bf16};
 use crate::cpu::mla::{mla_decode, tree_verify, MlaOutput, PagedCache, LATENT, ROW};
-use crate::cpu::moe_int4::{moe_int4, route, Experts, Int4Matrix, Int4Owned};
+use crate::cpu::moe_int4::{moe_int4, route, Experts, Int4Matrix, Int4Owned, OwnedExperts};
 use crate::cpu::rowops::{self, QueryShape};
 use crate::error::{check_len, Error, Result};
 use crate::model::backend::{AttentionInputs, Backend, Elem, HeadStrides, KvWrite, TreeRows};
@@ -24,29 +24,6 @@ pub struct HostLinear {
     batch: usize,
     out: usize,
     inp: usize,
-}
-
-/// One layer's routed experts in host memory (the `pack-quantized` layout).
-#[derive(Clone, Debug)]
-pub struct HostExperts {
-    count: usize,
-    hidden: usize,
-    inter: usize,
-    w13: Int4Owned,
-    w2: Int4Owned,
-}
-
-impl HostExperts {
-    fn view(&self) -> Experts<'_> {
-        let (e, h, i) = (self.count, self.hidden, self.inter);
-        Experts {
-            count: e,
-            hidden: h,
-            inter: i,
-            w13: Int4Matrix { packed: &self.w13.packed, scale: &self.w13.scale, rows: e * 2 * i, cols: h },
-            w2: Int4Matrix { packed: &self.w2.packed, scale: &self.w2.scale, rows: e * h, cols: i },
-        }
-    }
 }
 
 fn prefix<'a, T>(name: &'static str, buf: &'a [T], len: usize) -> Result<&'a [T]> {
@@ -102,7 +79,7 @@ fn random_scale(next: &mut impl FnMut() -> u64) -> f32 {
 impl Backend for CpuBackend {
     type Buf<T: Elem> = Vec<T>;
     type Linear = HostLinear;
-    type Experts = HostExperts;
+    type Experts = OwnedExperts;
     type Graph = ();
     type Mark = Instant;
 
@@ -136,10 +113,10 @@ impl Backend for CpuBackend {
         Ok(HostLinear { w: w.to_vec(), batch, out, inp })
     }
 
-    fn experts(&self, experts: &Experts) -> Result<HostExperts> {
+    fn experts(&self, experts: &Experts) -> Result<OwnedExperts> {
         experts.check()?;
         let owned = |m: &Int4Matrix| Int4Owned { packed: m.packed.to_vec(), scale: m.scale.to_vec() };
-        Ok(HostExperts {
+        Ok(OwnedExperts {
             count: experts.count,
             hidden: experts.hidden,
             inter: experts.inter,
@@ -163,7 +140,7 @@ impl Backend for CpuBackend {
             .collect())
     }
 
-    fn random_experts(&self, count: usize, hidden: usize, inter: usize, seed: u64) -> Result<HostExperts> {
+    fn random_experts(&self, count: usize, hidden: usize, inter: usize, seed: u64) -> Result<OwnedExperts> {
         let random = |rows: usize, cols: usize, seed: u64| -> Result<Int4Owned> {
             if cols == 0 || !cols.is_multiple_of(32) {
                 return Err(Error::param("expert input features", cols, "must be a positive multiple of 32"));
@@ -173,7 +150,7 @@ impl Backend for CpuBackend {
             let scale = (0..rows * cols / 32).map(|_| bf16::from_f32(random_scale(&mut next))).collect();
             Ok(Int4Owned { packed, scale })
         };
-        Ok(HostExperts {
+        Ok(OwnedExperts {
             count,
             hidden,
             inter,
@@ -357,7 +334,7 @@ impl Backend for CpuBackend {
         k: usize,
         scaling: f64,
         x: &Vec<bf16>,
-        experts: &HostExperts,
+        experts: &OwnedExperts,
         tokens: usize,
         out: &mut Vec<f32>,
     ) -> Result<()> {

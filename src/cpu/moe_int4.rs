@@ -63,6 +63,35 @@ pub struct Int4Owned {
     pub scale: Vec<bf16>,
 }
 
+/// One layer's routed experts in host memory, owned: the arrays an [`Experts`] view borrows.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OwnedExperts {
+    /// Number of experts E.
+    pub count: usize,
+    /// Hidden size H.
+    pub hidden: usize,
+    /// Intermediate size I.
+    pub inter: usize,
+    /// `[E * 2I, H]`: each expert's gate rows then up rows.
+    pub w13: Int4Owned,
+    /// `[E * H, I]`: each expert's down rows.
+    pub w2: Int4Owned,
+}
+
+impl OwnedExperts {
+    /// The borrowed view the MoE kernels take.
+    pub fn view(&self) -> Experts<'_> {
+        let (e, h, i) = (self.count, self.hidden, self.inter);
+        Experts {
+            count: e,
+            hidden: h,
+            inter: i,
+            w13: Int4Matrix { packed: &self.w13.packed, scale: &self.w13.scale, rows: e * 2 * i, cols: h },
+            w2: Int4Matrix { packed: &self.w2.packed, scale: &self.w2.scale, rows: e * h, cols: i },
+        }
+    }
+}
+
 /// Quantizes a `[rows, cols]` bf16 matrix to the `pack-quantized` layout: per group of 32, `scale =
 /// bf16(max|w| / 7)` (1 for an all-zero group), `q = clip(round_half_even(w / scale), -8, 7)`.
 pub fn quantize(w: &[bf16], rows: usize, cols: usize) -> Result<Int4Owned> {

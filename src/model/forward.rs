@@ -174,6 +174,8 @@ struct Scratch<B: Backend> {
     tree_prefix: B::Buf<i32>,
     visibility: B::Buf<u32>,
     pick: B::Buf<i32>,
+    /// The chosen rows' hidden states of the layers a step asks for, one buffer per layer asked.
+    hidden: Vec<B::Buf<f32>>,
     last: B::Buf<f32>,
     last_normed: B::Buf<f32>,
     logits: B::Buf<f32>,
@@ -214,6 +216,7 @@ impl<B: Backend> Scratch<B> {
             tree_prefix: b.zeros(t)?,
             visibility: b.zeros(t * t.div_ceil(32))?,
             pick: b.zeros(picked)?,
+            hidden: Vec::new(),
             last: b.zeros(picked * h)?,
             last_normed: b.zeros(picked * h)?,
             logits: b.zeros(picked * c.vocab_size)?,
@@ -246,6 +249,8 @@ struct GraphKey {
     max_seq_len: usize,
     tree_seq_len: usize,
     argmax: bool,
+    /// Bit l: the step copies out layer l's hidden states.
+    hidden: u64,
 }
 
 /// Recorded step graphs (CUDA) by shape, with the backend's plan epoch they were recorded at.
@@ -296,6 +301,20 @@ pub struct StageTime {
     pub stage: Stage,
     /// Backend time since the previous entry.
     pub time: std::time::Duration,
+}
+
+/// What a step computes besides the chosen rows' logits.
+#[derive(Clone, Copy, Debug)]
+struct Wanted<'a> {
+    /// Their argmax.
+    argmax: bool,
+    /// The hidden states of these layers.
+    hidden: &'a [usize],
+}
+
+impl Wanted<'_> {
+    const LOGITS: Wanted<'static> = Wanted { argmax: false, hidden: &[] };
+    const ARGMAX: Wanted<'static> = Wanted { argmax: true, hidden: &[] };
 }
 
 /// Timing marks of a profiled step; off, every `lap` does nothing.
@@ -385,13 +404,7 @@ impl<B: Backend> Model<B> {
     /// Builds the model from a checked config and an open checkpoint, placing every weight on `backend`.
     pub fn from_checkpoint(config: Config, ckpt: &Checkpoint, backend: B) -> Result<Self> {
         let c = &config;
-        if c.qk_rope_head_dim != ROPE || c.kv_lora_rank != LATENT {
-            return Err(Error::param(
-                "kv_lora_rank / qk_rope_head_dim",
-                c.kv_lora_rank,
-                "the MLA kernels need 512 / 64",
-            ));
-        }
+        check_mla_dims(c)?;
         let bar = if ckpt.size_bytes() >= PROGRESS_BYTES {
             let bar = ProgressBar::new(c.num_hidden_layers as u64);
             if let Ok(style) = ProgressStyle::with_template("loading layers {bar:40} {pos}/{len} {elapsed}") {
@@ -434,13 +447,7 @@ impl<B: Backend> Model<B> {
     /// outputs mean nothing.
     pub fn random(config: Config, backend: B, seed: u64) -> Result<Self> {
         let c = &config;
-        if c.qk_rope_head_dim != ROPE || c.kv_lora_rank != LATENT {
-            return Err(Error::param(
-                "kv_lora_rank / qk_rope_head_dim",
-                c.kv_lora_rank,
-                "the MLA kernels need 512 / 64",
-            ));
-        }
+        check_mla_dims(c)?;
         let b = &backend;
         let (h, heads, nope, v) = (c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim);
         // Each weight its own seed, from a linear congruential sequence.
@@ -546,7 +553,7 @@ impl<B: Backend> Model<B> {
     /// tree, with [`Logits::All`] every row, in request order.
     pub fn step(&self, cache: &mut KvCache<B>, requests: &[StepRequest], which: Logits) -> Result<Vec<f32>> {
         let vocab = self.config.vocab_size;
-        self.run_step(cache, requests, which, false, &mut Laps::off(&self.backend), |b, s, rows| {
+        self.run_step(cache, requests, which, Wanted::LOGITS, &mut Laps::off(&self.backend), |b, s, rows| {
             b.read(&s.logits, rows * vocab)
         })
     }
@@ -555,8 +562,32 @@ impl<B: Backend> Model<B> {
     /// backend lives.
     pub fn step_argmax(&self, cache: &mut KvCache<B>, requests: &[StepRequest], which: Logits) -> Result<Vec<u32>> {
         let mut laps = Laps::off(&self.backend);
-        let ids = self.run_step(cache, requests, which, true, &mut laps, |b, s, rows| b.read(&s.argmax, rows))?;
+        let ids =
+            self.run_step(cache, requests, which, Wanted::ARGMAX, &mut laps, |b, s, rows| b.read(&s.argmax, rows))?;
         Ok(ids.into_iter().map(|t| t as u32).collect())
+    }
+
+    /// Like [`Model::step_argmax`], and also returns the chosen rows' hidden states after each layer of
+    /// `layers` (the residual stream leaving the layer, what a DFlash drafter reads as context features):
+    /// `[layers.len(), rows, hidden_size]`, in the order of `layers`.
+    pub fn step_hidden(
+        &self,
+        cache: &mut KvCache<B>,
+        requests: &[StepRequest],
+        which: Logits,
+        layers: &[usize],
+    ) -> Result<(Vec<u32>, Vec<f32>)> {
+        let h = self.config.hidden_size;
+        let mut laps = Laps::off(&self.backend);
+        let (ids, hidden) =
+            self.run_step(cache, requests, which, Wanted { argmax: true, hidden: layers }, &mut laps, |b, s, rows| {
+                let mut hidden = Vec::with_capacity(layers.len() * rows * h);
+                for buf in &s.hidden[..layers.len()] {
+                    hidden.extend(b.read(buf, rows * h)?);
+                }
+                Ok((b.read(&s.argmax, rows)?, hidden))
+            })?;
+        Ok((ids.into_iter().map(|t| t as u32).collect(), hidden))
     }
 
     /// Runs one step like [`Model::step_argmax`], op by op (never from a recorded graph), and returns the
@@ -574,7 +605,7 @@ impl<B: Backend> Model<B> {
             layer: None,
             marks: vec![(None, Stage::Elementwise, self.backend.mark()?)],
         };
-        self.run_step(cache, requests, which, true, &mut laps, |_, _, _| Ok(()))?;
+        self.run_step(cache, requests, which, Wanted::ARGMAX, &mut laps, |_, _, _| Ok(()))?;
         let b = &self.backend;
         laps.marks
             .windows(2)
@@ -595,10 +626,21 @@ impl<B: Backend> Model<B> {
         cache: &mut KvCache<B>,
         requests: &[StepRequest],
         which: Logits,
-        argmax: bool,
+        wanted: Wanted,
         laps: &mut Laps<B>,
         finish: impl FnOnce(&B, &Scratch<B>, usize) -> Result<T>,
     ) -> Result<T> {
+        let Wanted { argmax, hidden } = wanted;
+        let layers = self.config.num_hidden_layers;
+        for (i, &l) in hidden.iter().enumerate() {
+            if l >= layers || hidden[..i].contains(&l) {
+                return Err(Error::param(
+                    "hidden layers",
+                    format!("{hidden:?}"),
+                    format!("distinct layers in 0..{layers}"),
+                ));
+            }
+        }
         let inputs = self.plan_step(cache, requests, which)?;
         let b = &self.backend;
         let (tokens, picked) = (inputs.ids.len(), inputs.pick.len());
@@ -611,9 +653,13 @@ impl<B: Backend> Model<B> {
             *guard = Some(Scratch::new(b, &self.config, cache.layout.pages_per_req, t.max(1), p.max(1))?);
         }
         let s = guard.as_mut().expect("made above");
+        while s.hidden.len() < hidden.len() {
+            s.hidden.push(b.zeros(s.picked * self.config.hidden_size)?);
+        }
         self.upload_inputs(s, &inputs)?;
         let graphable = requests.iter().all(|r| r.tree.is_some() || r.tokens.len() == 1);
-        let key = (graphs.enabled && graphable && !laps.on).then(|| GraphKey {
+        let hidden_mask = hidden.iter().try_fold(0u64, |m, &l| (l < 64).then(|| m | 1 << l));
+        let key = (graphs.enabled && graphable && !laps.on && hidden_mask.is_some()).then(|| GraphKey {
             cache: cache.id,
             tokens,
             decode_rows: inputs.decode_rows,
@@ -622,14 +668,15 @@ impl<B: Backend> Model<B> {
             max_seq_len: inputs.max_seq_len,
             tree_seq_len: inputs.tree.as_ref().map_or(0, |t| t.max_seq_len),
             argmax,
+            hidden: hidden_mask.unwrap_or(0),
         });
         let epoch = b.plan_epoch();
         match key.and_then(|k| graphs.recorded.get(&k)).filter(|(e, _)| *e == epoch) {
             Some((_, graph)) => b.replay(graph)?,
             None => {
-                self.record(cache, &inputs, s, argmax, laps)?;
+                self.record(cache, &inputs, s, wanted, laps)?;
                 if let Some(key) = key {
-                    let graph = b.capture(&mut || self.record(cache, &inputs, s, argmax, &mut Laps::off(b)))?;
+                    let graph = b.capture(&mut || self.record(cache, &inputs, s, wanted, &mut Laps::off(b)))?;
                     if graphs.recorded.len() >= MAX_GRAPHS {
                         graphs.recorded.clear();
                     }
@@ -653,9 +700,10 @@ impl<B: Backend> Model<B> {
         cache: &mut KvCache<B>,
         inputs: &StepInputs,
         s: &mut Scratch<B>,
-        argmax: bool,
+        wanted: Wanted,
         laps: &mut Laps<B>,
     ) -> Result<()> {
+        let Wanted { argmax, hidden } = wanted;
         let b = &self.backend;
         let (tokens, picked) = (inputs.ids.len(), inputs.pick.len());
         let h = self.config.hidden_size;
@@ -671,6 +719,9 @@ impl<B: Backend> Model<B> {
             laps.lap(Stage::Elementwise)?;
             self.feed_forward(&layer.ffn, tokens, s, laps)?;
             b.add(&mut s.x, &s.out, tokens * h)?;
+            if let Some(k) = hidden.iter().position(|&want| want == l) {
+                b.gather(&s.x, h, tokens, &s.pick, picked, &mut s.hidden[k])?;
+            }
             laps.lap(Stage::Elementwise)?;
         }
         laps.layer = None;
@@ -879,6 +930,14 @@ impl<B: Backend> Model<B> {
         b.matmul(&mlp.down, &s.act, t, out)?;
         laps.lap(stage)
     }
+}
+
+/// The latent and rotary widths the MLA kernels are built for.
+fn check_mla_dims(c: &Config) -> Result<()> {
+    if c.qk_rope_head_dim != ROPE || c.kv_lora_rank != LATENT {
+        return Err(Error::param("kv_lora_rank / qk_rope_head_dim", c.kv_lora_rank, "the MLA kernels need 512 / 64"));
+    }
+    Ok(())
 }
 
 /// `len` rounded up to a power of two of at least [`crate::cpu::mla::SPLIT`], at most `limit` (and never

@@ -5,7 +5,7 @@
 
 use half::bf16;
 
-use crate::cpu::moe_int4::{self, Experts, Int4Matrix};
+use crate::cpu::moe_int4::{self, Experts, Int4Owned, OwnedExperts};
 use crate::error::{check_len, Error, Result};
 use crate::model::config::Config;
 use crate::model::weights::Checkpoint;
@@ -93,52 +93,30 @@ impl Mlp {
 /// One layer's routed experts in the `pack-quantized` INT4 layout, concatenated the way
 /// [`moe_int4::moe_int4`] reads them: `w13` = each expert's gate rows then up rows, `w2` = down rows.
 #[derive(Clone, Debug)]
-pub struct RoutedExperts {
-    count: usize,
-    hidden: usize,
-    inter: usize,
-    w13_packed: Vec<i32>,
-    w13_scale: Vec<bf16>,
-    w2_packed: Vec<i32>,
-    w2_scale: Vec<bf16>,
-}
+pub struct RoutedExperts(OwnedExperts);
 
 impl RoutedExperts {
     /// Reads `<prefix>.experts.<e>.{gate,up,down}_proj.weight_{packed,scale,shape}` for every expert.
     pub fn load(ckpt: &Checkpoint, prefix: &str, config: &Config) -> Result<Self> {
         let (count, hidden, inter) = (config.n_routed_experts, config.hidden_size, config.moe_intermediate_size);
-        let mut experts = RoutedExperts {
-            count,
-            hidden,
-            inter,
-            w13_packed: Vec::new(),
-            w13_scale: Vec::new(),
-            w2_packed: Vec::new(),
-            w2_scale: Vec::new(),
-        };
+        let empty = || Int4Owned { packed: Vec::new(), scale: Vec::new() };
+        let mut experts = OwnedExperts { count, hidden, inter, w13: empty(), w2: empty() };
         for e in 0..count {
             for proj in ["gate_proj", "up_proj"] {
                 let (p, s) = read_int4(ckpt, &format!("{prefix}.experts.{e}.{proj}"), inter, hidden)?;
-                experts.w13_packed.extend(p);
-                experts.w13_scale.extend(s);
+                experts.w13.packed.extend(p);
+                experts.w13.scale.extend(s);
             }
             let (p, s) = read_int4(ckpt, &format!("{prefix}.experts.{e}.down_proj"), hidden, inter)?;
-            experts.w2_packed.extend(p);
-            experts.w2_scale.extend(s);
+            experts.w2.packed.extend(p);
+            experts.w2.scale.extend(s);
         }
-        Ok(experts)
+        Ok(RoutedExperts(experts))
     }
 
     /// The borrowed view the MoE kernel takes.
     pub fn view(&self) -> Experts<'_> {
-        let (e, h, i) = (self.count, self.hidden, self.inter);
-        Experts {
-            count: e,
-            hidden: h,
-            inter: i,
-            w13: Int4Matrix { packed: &self.w13_packed, scale: &self.w13_scale, rows: e * 2 * i, cols: h },
-            w2: Int4Matrix { packed: &self.w2_packed, scale: &self.w2_scale, rows: e * h, cols: i },
-        }
+        self.0.view()
     }
 }
 
