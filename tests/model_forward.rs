@@ -577,6 +577,30 @@ fn a_wrong_int4_weight_shape_is_named() {
     assert!(err.contains(name) && err.contains("[64, 96]"), "{err}");
 }
 
+/// Tensors the config leaves unused are an error naming them: a stray tensor, and a config with fewer
+/// layers than the checkpoint (which also says so).
+#[test]
+fn unused_tensors_and_a_layer_count_mismatch_are_named() {
+    let dir = scratch_copy("unused");
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, TensorView)> = st.tensors();
+    let data = [0u8; 8];
+    tensors.push(("model.stray.weight".into(), TensorView::new(Dtype::BF16, vec![4], &data).unwrap()));
+    safetensors::serialize_to_file(tensors, None, &path).unwrap();
+    let err = load_err(&dir);
+    assert!(err.contains("1 tensors the config does not use") && err.contains("`model.stray.weight`"), "{err}");
+
+    let dir = scratch_copy("layers");
+    let config_path = dir.join("config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["num_hidden_layers"] = 3.into();
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let err = load_err(&dir);
+    assert!(err.contains("model.layers.3.") && err.contains("layers past num_hidden_layers = 3"), "{err}");
+}
+
 #[test]
 fn a_truncated_file_is_named() {
     let dir = scratch_copy("truncated");

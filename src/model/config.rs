@@ -53,6 +53,9 @@ pub struct Config {
     pub num_hidden_layers: usize,
     /// The longest sequence the model is made for (transformers' default 4096 when absent).
     pub max_position_embeddings: usize,
+    /// Multi-token-prediction layers stored after the decoder layers (DeepSeek-V3's layer 61); the
+    /// forward pass does not run them.
+    pub num_nextn_predict_layers: usize,
     /// Attention heads.
     pub num_attention_heads: usize,
     /// Query low-rank dimension, `None` for a full-rank query projection.
@@ -100,6 +103,7 @@ struct Raw {
     vocab_size: Option<usize>,
     hidden_size: Option<usize>,
     max_position_embeddings: Option<usize>,
+    num_nextn_predict_layers: Option<usize>,
     intermediate_size: Option<usize>,
     moe_intermediate_size: Option<usize>,
     num_hidden_layers: Option<usize>,
@@ -185,6 +189,7 @@ impl Config {
             moe_intermediate_size: required("moe_intermediate_size", raw.moe_intermediate_size)?,
             num_hidden_layers: required("num_hidden_layers", raw.num_hidden_layers)?,
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
+            num_nextn_predict_layers: raw.num_nextn_predict_layers.unwrap_or(0),
             num_attention_heads: heads,
             q_lora_rank: raw.q_lora_rank,
             kv_lora_rank: required("kv_lora_rank", raw.kv_lora_rank)?,

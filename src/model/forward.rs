@@ -428,6 +428,7 @@ impl<B: Backend> Model<B> {
             backend.linear(&ckpt.bf16("lm_head.weight", &[v, h])?, 1, v, h)?
         };
         let norm = layers::RmsNorm::load(ckpt, "model.norm.weight", h, c.rms_norm_eps)?;
+        check_all_read(ckpt, c)?;
         Ok(Model {
             embed: backend.upload(&embed)?,
             norm: Norm::place(&backend, &norm)?,
@@ -930,6 +931,29 @@ impl<B: Backend> Model<B> {
         b.matmul(&mlp.down, &s.act, t, out)?;
         laps.lap(stage)
     }
+}
+
+/// Every tensor of the checkpoint was read, except those of its multi-token-prediction layers; else an
+/// error naming the unused ones (and saying so when they belong to layers past `num_hidden_layers`).
+fn check_all_read(ckpt: &Checkpoint, c: &Config) -> Result<()> {
+    let layer_of = |name: &str| name.strip_prefix("model.layers.")?.split('.').next()?.parse::<usize>().ok();
+    let mtp = c.num_hidden_layers..c.num_hidden_layers + c.num_nextn_predict_layers;
+    let unused: Vec<String> =
+        ckpt.unread().into_iter().filter(|n| !layer_of(n).is_some_and(|l| mtp.contains(&l))).collect();
+    if unused.is_empty() {
+        return Ok(());
+    }
+    let shown: Vec<String> = unused.iter().take(4).map(|n| format!("`{n}`")).collect();
+    let more = if unused.len() > 4 { format!(" and {} more", unused.len() - 4) } else { String::new() };
+    let layers = if unused.iter().any(|n| layer_of(n).is_some_and(|l| l >= c.num_hidden_layers)) {
+        format!("; the checkpoint has layers past num_hidden_layers = {}", c.num_hidden_layers)
+    } else {
+        String::new()
+    };
+    Err(Error::Data {
+        path: ckpt.dir().to_path_buf(),
+        detail: format!("{} tensors the config does not use: {}{more}{layers}", unused.len(), shown.join(", ")),
+    })
 }
 
 /// The latent and rotary widths the MLA kernels are built for.

@@ -1,10 +1,12 @@
 //! Checkpoint tensors from safetensors files, memory-mapped: a single `model.safetensors` or shards listed
 //! in `model.safetensors.index.json`. A missing tensor, a wrong dtype or shape, a truncated or missing file
-//! is an error that names the tensor or the file.
+//! is an error that names the tensor or the file. The checkpoint remembers which tensors were read, so that a
+//! loader can name the ones its config left unused ([`Checkpoint::unread`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
 
 use half::bf16;
 use memmap2::Mmap;
@@ -25,6 +27,8 @@ pub struct Checkpoint {
     shards: Vec<Shard>,
     /// Tensor name to shard index.
     index: HashMap<String, usize>,
+    /// The tensors read so far.
+    read: Mutex<HashSet<String>>,
 }
 
 #[derive(Deserialize)]
@@ -52,7 +56,7 @@ impl Checkpoint {
         } else {
             vec!["model.safetensors".to_string()]
         };
-        let mut checkpoint = Checkpoint { dir, shards: vec![], index: HashMap::new() };
+        let mut checkpoint = Checkpoint { dir, shards: vec![], index: HashMap::new(), read: Mutex::default() };
         for file in files {
             checkpoint.add_shard(&file)?;
         }
@@ -82,6 +86,19 @@ impl Checkpoint {
         self.shards.iter().map(|s| s.map.len() as u64).sum()
     }
 
+    /// The checkpoint directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The tensors never read (by [`Checkpoint::bf16`], [`Checkpoint::i32`] or [`Checkpoint::f32`]), sorted.
+    pub fn unread(&self) -> Vec<String> {
+        let read = self.read.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut names: Vec<String> = self.index.keys().filter(|n| !read.contains(*n)).cloned().collect();
+        names.sort();
+        names
+    }
+
     /// Whether the checkpoint holds `name`.
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
@@ -105,6 +122,7 @@ impl Checkpoint {
                 format!("tensor `{name}` has shape {:?}, expected {shape:?}", view.shape()),
             ));
         }
+        self.read.lock().unwrap_or_else(PoisonError::into_inner).insert(name.to_owned());
         Ok(view.data())
     }
 
