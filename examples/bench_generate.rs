@@ -46,6 +46,8 @@ const PROMPT: [u32; 5] = [100, 7, 14, 21, 28];
 struct Run {
     batch: usize,
     graphs: bool,
+    /// Kernel launches of the last decode step run op by op (0 on the CPU and for replayed steps).
+    launches: u64,
     first: Duration,
     decode: Duration,
     tokens: Vec<Vec<u32>>,
@@ -83,18 +85,21 @@ fn generate<B: Backend>(model: &Model<B>, batch: usize, tokens: usize, graphs: b
     let first = start.elapsed();
     let mut emitted: Vec<Vec<u32>> = last.iter().map(|&t| vec![t]).collect();
     let begin = Instant::now();
+    let mut launches = 0;
     for _ in 1..tokens {
         let step: Vec<(usize, &[u32])> = seqs.iter().zip(&last).map(|(&s, t)| (s, std::slice::from_ref(t))).collect();
+        let before = model.backend().launches();
         let next = model.forward_argmax(&mut cache, &step, Logits::Last)?;
+        launches = model.backend().launches() - before;
         emitted.iter_mut().zip(&next).for_each(|(e, &t)| e.push(t));
         last = next;
     }
-    Ok(Run { batch, graphs, first, decode: begin.elapsed(), tokens: emitted })
+    Ok(Run { batch, graphs, launches, first, decode: begin.elapsed(), tokens: emitted })
 }
 
 fn bench<B: Backend>(args: &Args, model: Model<B>) -> Result<()> {
     let backend = model.backend().name();
-    let mut rows = vec!["backend,batch,graphs,tok_per_s,step_us,first_token_ms".to_string()];
+    let mut rows = vec!["backend,batch,graphs,tok_per_s,step_us,first_token_ms,launches".to_string()];
     for &batch in &args.batches {
         let eager = generate(&model, batch, args.tokens, false)?;
         let replayed = generate(&model, batch, args.tokens, true)?;
@@ -107,11 +112,15 @@ fn bench<B: Backend>(args: &Args, model: Model<B>) -> Result<()> {
             let step_us = r.decode.as_secs_f64() * 1e6 / steps;
             let first_ms = r.first.as_secs_f64() * 1e3;
             println!(
-                "{backend}: batch {:>2}, graphs {:<3}: {rate:>9.1} tok/s, {step_us:>8.1} µs a step, first token {first_ms:.1} ms",
+                "{backend}: batch {:>2}, graphs {:<3}: {rate:>9.1} tok/s, {step_us:>8.1} µs a step, first token {first_ms:.1} ms, {} launches a step",
                 r.batch,
-                if r.graphs { "on" } else { "off" }
+                if r.graphs { "on" } else { "off" },
+                r.launches
             );
-            rows.push(format!("{backend},{},{},{rate:.1},{step_us:.1},{first_ms:.2}", r.batch, r.graphs));
+            rows.push(format!(
+                "{backend},{},{},{rate:.1},{step_us:.1},{first_ms:.2},{}",
+                r.batch, r.graphs, r.launches
+            ));
         }
         println!("{backend}: batch {batch}: the same {} tokens per sequence with graphs off and on", args.tokens);
     }

@@ -357,6 +357,10 @@ impl Backend for CpuBackend {
         0
     }
 
+    fn launches(&self) -> u64 {
+        0
+    }
+
     fn mark(&self) -> Result<Instant> {
         Ok(Instant::now())
     }

@@ -451,6 +451,10 @@ impl Backend for CudaBackend {
         self.epoch.load(Ordering::Relaxed)
     }
 
+    fn launches(&self) -> u64 {
+        self.gpu.launches()
+    }
+
     fn mark(&self) -> Result<CudaEvent> {
         self.gpu
             .stream()

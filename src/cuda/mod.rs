@@ -256,6 +256,8 @@ pub struct Gpu {
     kernels: Kernels,
     /// Whether [`Gpu::launch_ex`] may use programmatic dependent launch (see above).
     pdl: bool,
+    /// Kernel launches queued (or recorded into a graph) so far.
+    launches: std::sync::atomic::AtomicU64,
 }
 
 /// The arguments of a kernel for [`Gpu::launch_ex`], in the kernel's order. Each value is copied into an
@@ -336,7 +338,7 @@ impl Gpu {
         let stream = ctx.new_stream().map_err(|e| cuda_err("new_stream", e))?;
         let (major, _) = ctx.compute_capability().map_err(|e| cuda_err("compute capability", e))?;
         let pdl = major >= 9 && std::env::var("KDTREE_PDL").map_or(true, |v| v != "0");
-        Ok(Gpu { ctx, stream, kernels, pdl })
+        Ok(Gpu { ctx, stream, kernels, pdl, launches: Default::default() })
     }
 
     /// Launches `f` on the stream through `cuLaunchKernelEx`. With `pdl` (where the `Gpu` allows it), as a
@@ -384,6 +386,12 @@ impl Gpu {
         self.ctx.name().map_err(|e| cuda_err("device name", e))
     }
 
+    /// Kernel launches queued or recorded on this `Gpu` so far (every launcher counts through its
+    /// launch check), e.g. to count the launches of a step.
+    pub fn launches(&self) -> u64 {
+        self.launches.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The stream every launch of this `Gpu` goes to.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
@@ -417,7 +425,8 @@ impl Gpu {
         })
     }
 
-    /// In debug builds, waits for the launch just queued and reports any fault under the kernel's name.
+    /// Counts the launch just queued; in debug builds, waits for it and reports any fault under the kernel's
+    /// name.
     ///
     /// While the stream is being captured into a CUDA graph the launch was only recorded, not run, and a
     /// synchronize is not allowed (it fails and invalidates the capture), so it is skipped: the launch's
@@ -426,6 +435,7 @@ impl Gpu {
     /// itself shows when the graph is replayed. In release builds nothing is checked here.
     fn after_launch(&self, kernel: &'static str) -> Result<()> {
         use sys::CUstreamCaptureStatus as Capture;
+        self.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if !cfg!(debug_assertions) {
             return Ok(());
         }

@@ -244,6 +244,9 @@ pub trait Backend: Send + Sync {
     /// recorded before knows it holds stale addresses.
     fn plan_epoch(&self) -> u64;
 
+    /// Operations launched so far: kernel launches on CUDA (a replayed graph counts as none), 0 on the CPU.
+    fn launches(&self) -> u64;
+
     /// Marks the current end of the queued work.
     fn mark(&self) -> Result<Self::Mark>;
     /// Time the backend spent between two marks (on CUDA: waits for the second).
