@@ -6,8 +6,8 @@ mod common;
 use common::{assert_bits, assert_same, cases, check_rows, mutants, xorshift};
 use half::bf16;
 use kdtree_engine::cpu::moe_int4::{
-    deinterleave_nibbles, interleave_nibbles, moe_int4, quantize, route, tile, untile, Experts, Int4Matrix, Int4Owned,
-    Routing, GROUP,
+    deinterleave_nibbles, interleave_nibbles, moe_int4, quantize, route, tile, untile, Int4Matrix, Int4Owned,
+    OwnedExperts, Routing, GROUP,
 };
 use kdtree_engine::fixture::Fixture;
 use kdtree_engine::Error;
@@ -42,37 +42,15 @@ fn fixture_routing(case: &Fixture) -> Routing {
     }
 }
 
-/// One layer's INT4 experts: `e` experts of hidden size `h` and intermediate size `i`.
-struct Weights {
-    w13: Int4Owned,
-    w2: Int4Owned,
-    e: usize,
-    h: usize,
-    i: usize,
-}
-
-impl Weights {
-    /// The fixture's weights.
-    fn from_fixture(case: &Fixture) -> Self {
-        let u = |k| case.usize(k).unwrap();
-        Weights {
-            w13: Int4Owned { packed: case.array("w13_packed").unwrap(), scale: bf16_array(case, "w13_scale") },
-            w2: Int4Owned { packed: case.array("w2_packed").unwrap(), scale: bf16_array(case, "w2_scale") },
-            e: u("E"),
-            h: u("H"),
-            i: u("I"),
-        }
-    }
-
-    fn experts(&self) -> Experts<'_> {
-        let (e, h, i) = (self.e, self.h, self.i);
-        Experts {
-            count: e,
-            hidden: h,
-            inter: i,
-            w13: Int4Matrix { packed: &self.w13.packed, scale: &self.w13.scale, rows: e * 2 * i, cols: h },
-            w2: Int4Matrix { packed: &self.w2.packed, scale: &self.w2.scale, rows: e * h, cols: i },
-        }
+/// The fixture's weights.
+fn fixture_experts(case: &Fixture) -> OwnedExperts {
+    let u = |k| case.usize(k).unwrap();
+    OwnedExperts {
+        count: u("E"),
+        hidden: u("H"),
+        inter: u("I"),
+        w13: Int4Owned { packed: case.array("w13_packed").unwrap(), scale: bf16_array(case, "w13_scale") },
+        w2: Int4Owned { packed: case.array("w2_packed").unwrap(), scale: bf16_array(case, "w2_scale") },
     }
 }
 
@@ -101,8 +79,8 @@ fn check_fixture(label: &str, case: &Fixture, got: &[f32], floor: f64) {
 fn expert_output_matches_every_fixture_and_rejects_its_mutants() {
     for case in cases("moe_int4") {
         let name = case.name();
-        let weights = Weights::from_fixture(&case);
-        let experts = weights.experts();
+        let weights = fixture_experts(&case);
+        let experts = weights.view();
         let got = moe_int4(&bf16_array(&case, "x"), &fixture_routing(&case), &experts).unwrap();
         check_fixture("cpu", &case, &got, 0.0);
         if let Ok(w13) = case.array::<f32>("w13") {
@@ -129,8 +107,8 @@ fn tiled_words_interleave_their_nibbles() {
 #[test]
 fn the_tiled_layout_round_trips() {
     for case in cases("moe_int4") {
-        let weights = Weights::from_fixture(&case);
-        let experts = weights.experts();
+        let weights = fixture_experts(&case);
+        let experts = weights.view();
         for m in [experts.w13, experts.w2] {
             let tiled = tile(&m).unwrap();
             assert_ne!(tiled.packed, m.packed, "{}: tiling must reorder", case.name());
@@ -170,11 +148,11 @@ const H: usize = 64;
 const I: usize = 32;
 
 /// A random layer of `e` experts with H 64, I 32, quantized from random bf16 weights.
-fn layer(seed: u64, e: usize) -> Weights {
+fn layer(seed: u64, e: usize) -> OwnedExperts {
     let mut next = xorshift(seed);
     let w13 = quantize(&random_bf16(&mut next, e * 2 * I * H, 0.1), e * 2 * I, H).unwrap();
     let w2 = quantize(&random_bf16(&mut next, e * H * I, 0.1), e * H, I).unwrap();
-    Weights { w13, w2, e, h: H, i: I }
+    OwnedExperts { count: e, hidden: H, inter: I, w13, w2 }
 }
 
 #[test]
@@ -186,11 +164,11 @@ fn a_token_gives_the_same_bits_alone_and_in_a_batch_of_128() {
     let logits: Vec<f32> = (0..t * e).map(|_| ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0).collect();
     let bias = vec![0.0f32; e];
     let batch_routing = route(&logits, &bias, e, k, 2.827).unwrap();
-    let batch = moe_int4(&x, &batch_routing, &l.experts()).unwrap();
+    let batch = moe_int4(&x, &batch_routing, &l.view()).unwrap();
     for tok in [0, 77, 127] {
         let r = route(&logits[tok * e..(tok + 1) * e], &bias, e, k, 2.827).unwrap();
         assert_eq!(r.topk_ids, batch_routing.topk_ids[tok * k..(tok + 1) * k]);
-        let alone = moe_int4(&x[tok * H..(tok + 1) * H], &r, &l.experts()).unwrap();
+        let alone = moe_int4(&x[tok * H..(tok + 1) * H], &r, &l.view()).unwrap();
         assert_eq!(alone, batch[tok * H..(tok + 1) * H], "token {tok}");
     }
 }
@@ -204,14 +182,14 @@ fn bad_input_is_a_named_error() {
     assert!(matches!(route(&[0.5; 7], &[0.0; 4], 4, 2, 1.0), Err(Error::Shape { name: "router_logits", .. })));
     assert!(matches!(route(&[f32::NAN; 8], &[0.0; 4], 4, 2, 1.0), Err(Error::Logits { .. })));
     assert!(matches!(quantize(&x[..40], 1, 40), Err(Error::Param { name: "cols", .. })));
-    let mut bad = l.experts();
+    let mut bad = l.view();
     bad.w13.scale = &l.w13.scale[1..];
     assert!(matches!(moe_int4(&x, &r, &bad), Err(Error::Shape { name: "scale", .. })));
-    let mut bad = l.experts();
+    let mut bad = l.view();
     bad.hidden = 48;
     assert!(matches!(moe_int4(&x, &r, &bad), Err(Error::Param { name: "hidden", .. })));
     let wrong = Routing { topk_ids: vec![0, 9, 1, 2], ..r.clone() };
-    assert!(matches!(moe_int4(&x, &wrong, &l.experts()), Err(Error::Index { name: "topk_ids", .. })));
+    assert!(matches!(moe_int4(&x, &wrong, &l.view()), Err(Error::Index { name: "topk_ids", .. })));
 }
 
 #[cfg(feature = "cuda")]
@@ -287,8 +265,8 @@ mod gpu {
     fn gpu_expert_output_matches_every_fixture_and_rejects_its_mutants() {
         let Some(gpu) = gpu() else { return };
         for case in cases("moe_int4") {
-            let weights = Weights::from_fixture(&case);
-            let got = gpu.moe_int4(&bf16_array(&case, "x"), &fixture_routing(&case), &weights.experts()).unwrap();
+            let weights = fixture_experts(&case);
+            let got = gpu.moe_int4(&bf16_array(&case, "x"), &fixture_routing(&case), &weights.view()).unwrap();
             check_fixture(&format!("gpu {LAYOUT:?}"), &case, &got, GPU_FIXTURE_TOKEN_REL);
         }
     }
@@ -297,8 +275,8 @@ mod gpu {
     fn gpu_holds_weights_in_the_feature_layout() {
         let Some(gpu) = gpu() else { return };
         let case = &cases("moe_int4")[0];
-        let weights = Weights::from_fixture(case);
-        let m = weights.experts().w13;
+        let weights = fixture_experts(case);
+        let m = weights.view().w13;
         let dev =
             DeviceInt4::from_native(gpu, gpu.upload(m.packed).unwrap(), gpu.upload(m.scale).unwrap(), m.rows, m.cols)
                 .unwrap();
@@ -314,7 +292,7 @@ mod gpu {
     }
 
     /// Random INT4 experts drawn directly as packed words and scales (fast at Kimi sizes).
-    fn random_layer(seed: u64, e: usize, h: usize, i: usize) -> Weights {
+    fn random_layer(seed: u64, e: usize, h: usize, i: usize) -> OwnedExperts {
         let mut next = xorshift(seed);
         let mut words = |n: usize| (0..n).map(|_| (next() >> 32) as i32).collect::<Vec<i32>>();
         let (w13p, w2p) = (words(e * 2 * i * h / 8), words(e * h * i / 8));
@@ -323,7 +301,13 @@ mod gpu {
             (0..n).map(|_| bf16::from_f32(0.002 + (next() >> 40) as f32 / (1u64 << 24) as f32 * 0.01)).collect()
         };
         let (w13s, w2s) = (scales(e * 2 * i * h / 32), scales(e * h * i / 32));
-        Weights { w13: Int4Owned { packed: w13p, scale: w13s }, w2: Int4Owned { packed: w2p, scale: w2s }, e, h, i }
+        OwnedExperts {
+            count: e,
+            hidden: h,
+            inter: i,
+            w13: Int4Owned { packed: w13p, scale: w13s },
+            w2: Int4Owned { packed: w2p, scale: w2s },
+        }
     }
 
     fn random_logits(next: &mut impl FnMut() -> u64, n: usize) -> Vec<f32> {
@@ -342,7 +326,7 @@ mod gpu {
     fn check_against_cpu(seed: u64, t: usize, e: usize, k: usize, h: usize, i: usize) {
         let gpu = gpu().expect("checked by the caller");
         let w = random_layer(seed, e, h, i);
-        let experts = w.experts();
+        let experts = w.view();
         let mut next = xorshift(seed ^ 0x5555);
         let x = random_bf16(&mut next, t * h, 4.0);
         let logits = random_logits(&mut next, t * e);
@@ -380,7 +364,7 @@ mod gpu {
     ) -> Vec<usize> {
         let gpu = gpu().expect("checked by the caller");
         let w = random_layer(seed, e, h, i);
-        let dev = DeviceExperts::upload(gpu, &w.experts()).unwrap();
+        let dev = DeviceExperts::upload(gpu, &w.view()).unwrap();
         let mut next = xorshift(seed + 1);
         let x = random_bf16(&mut next, t * h, 4.0);
         let logits = random_logits(&mut next, t * e);
@@ -446,7 +430,7 @@ mod gpu {
         let Some(gpu) = gpu() else { return };
         let (e, k, h, i) = (8, 2, 64, 32);
         let w = random_layer(21, e, h, i);
-        let experts = w.experts();
+        let experts = w.view();
         let dev = DeviceExperts::upload(gpu, &experts).unwrap();
         let mut next = xorshift(22);
         let x = random_bf16(&mut next, 40 * h, 4.0);
@@ -477,7 +461,7 @@ mod gpu {
         let Some(gpu) = gpu() else { return };
         let (e, k, h, i) = (8, 2, 256, 64);
         let w = random_layer(41, e, h, i);
-        let experts = w.experts();
+        let experts = w.view();
         let dev = DeviceExperts::upload(gpu, &experts).unwrap();
         let mut next = xorshift(42);
         let mut plan = MoePlan::new(gpu, dev.shape, k, 3).unwrap();
@@ -517,7 +501,7 @@ mod gpu {
         let gpu = &own;
         let (e, k, h, i, steps) = (16, 4, 1024, 512, 6);
         let w = random_layer(31, e, h, i);
-        let dev = DeviceExperts::upload(gpu, &w.experts()).unwrap();
+        let dev = DeviceExperts::upload(gpu, &w.view()).unwrap();
         let mut next = xorshift(32);
         let bias = gpu.upload(&vec![0.0f32; e]).unwrap();
         for t in [1usize, 5, 40] {
@@ -554,13 +538,13 @@ mod gpu {
         let err = gpu.moe_route(&[0.5, f32::NAN, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], &[0.0; 4], 4, 2, 1.0).unwrap_err();
         assert!(matches!(err, Error::Logits { .. }), "{err}");
         let wrong = Routing { topk_ids: vec![0, 9, 1, 2], ..r.clone() };
-        let err = gpu.moe_int4(&x, &wrong, &l.experts()).unwrap_err();
+        let err = gpu.moe_int4(&x, &wrong, &l.view()).unwrap_err();
         assert!(matches!(err, Error::Index { name: "topk_ids", .. }), "{err}");
-        let mut bad = l.experts();
+        let mut bad = l.view();
         bad.w13.scale = &l.w13.scale[1..];
         let err = gpu.moe_int4(&x, &r, &bad).unwrap_err();
         assert!(matches!(err, Error::Shape { name: "scale", .. }), "{err}");
-        let err = gpu.moe_int4(&x[..H + 1], &r, &l.experts()).unwrap_err();
+        let err = gpu.moe_int4(&x[..H + 1], &r, &l.view()).unwrap_err();
         assert!(matches!(err, Error::Shape { name: "x", .. }), "{err}");
     }
 
