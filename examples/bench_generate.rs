@@ -4,6 +4,10 @@
 //! step graphs off and on. Prints tok/s (batch × tokens / decode time) and the time of a step, checks that
 //! both settings emit the same tokens, and writes the table as CSV with `--out`.
 //!
+//! With `--profile-step` (CUDA only) it then runs one more eager decode step at the first batch size
+//! between `cuProfilerStart` and `cuProfilerStop`, so that `ncu --profile-from-start off` times that
+//! step's kernels one by one: their sum beside the replayed step's time is the step's overhead.
+//!
 //! ```text
 //! cargo run --release --example bench_generate -- --batches 1,8
 //! cargo run --release --features cuda --example bench_generate -- --gpu
@@ -38,7 +42,13 @@ struct Args {
     /// Also write the table as CSV here.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Then run one eager decode step inside a profiler range (for `ncu --profile-from-start off`).
+    #[arg(long)]
+    profile_step: bool,
 }
+
+/// Opens (true) or closes (false) the profiler's range.
+type ProfilerRange = fn(bool) -> Result<()>;
 
 const PROMPT: [u32; 5] = [100, 7, 14, 21, 28];
 
@@ -58,16 +68,20 @@ fn main() -> ExitCode {
 }
 
 fn run(args: &Args) -> Result<()> {
-    if args.tokens < 2 || args.batches.contains(&0) {
+    if args.tokens < 2 || args.batches.is_empty() || args.batches.contains(&0) {
         return Err(Error::param("--tokens / --batches", args.tokens, "need at least 2 tokens and batches >= 1"));
     }
     if !args.gpu {
-        return bench(args, Model::load(&args.model)?);
+        if args.profile_step {
+            return Err(Error::param("--profile-step", true, "needs --gpu: the profiler range is CUDA's"));
+        }
+        return bench(args, Model::load(&args.model)?, None);
     }
     #[cfg(feature = "cuda")]
     {
         let gpu = kdtree_engine::cuda::Gpu::new(0)?;
-        bench(args, Model::load_on(&args.model, kdtree_engine::cuda::backend::CudaBackend::new(gpu)?)?)
+        let model = Model::load_on(&args.model, kdtree_engine::cuda::backend::CudaBackend::new(gpu)?)?;
+        bench(args, model, args.profile_step.then_some(cuda_profiler as ProfilerRange))
     }
     #[cfg(not(feature = "cuda"))]
     Err(Error::param("--gpu", true, "this build has no CUDA backend: build with `--features cuda`"))
@@ -97,7 +111,37 @@ fn generate<B: Backend>(model: &Model<B>, batch: usize, tokens: usize, graphs: b
     Ok(Run { batch, graphs, launches, first, decode: begin.elapsed(), tokens: emitted })
 }
 
-fn bench<B: Backend>(args: &Args, model: Model<B>) -> Result<()> {
+/// `cuProfilerStart` / `cuProfilerStop`.
+#[cfg(feature = "cuda")]
+fn cuda_profiler(start: bool) -> Result<()> {
+    let result = if start { cudarc::driver::profiler_start() } else { cudarc::driver::profiler_stop() };
+    result.map_err(|e| Error::param("--profile-step", start, format!("the CUDA profiler call failed: {e}")))
+}
+
+/// Prefills `batch` sequences and runs two eager decode steps, the second inside `range`.
+fn profile_step<B: Backend>(model: &Model<B>, batch: usize, range: ProfilerRange) -> Result<()> {
+    model.set_graphs(false);
+    let mut cache = model.new_cache(batch * (PROMPT.len() + 2).div_ceil(16), 16, PROMPT.len() + 2)?;
+    let seqs: Vec<usize> = (0..batch).map(|_| cache.add_sequence()).collect();
+    let prefill: Vec<(usize, &[u32])> = seqs.iter().map(|&s| (s, &PROMPT[..])).collect();
+    let mut last = model.forward_argmax(&mut cache, &prefill, Logits::Last)?;
+    for profiled in [false, true] {
+        let step: Vec<(usize, &[u32])> = seqs.iter().zip(&last).map(|(&s, t)| (s, std::slice::from_ref(t))).collect();
+        if profiled {
+            range(true)?;
+        }
+        let before = model.backend().launches();
+        last = model.forward_argmax(&mut cache, &step, Logits::Last)?;
+        if profiled {
+            range(false)?;
+            let launches = model.backend().launches() - before;
+            println!("profiled one eager decode step at batch {batch}: {launches} launches");
+        }
+    }
+    Ok(())
+}
+
+fn bench<B: Backend>(args: &Args, model: Model<B>, profiler: Option<ProfilerRange>) -> Result<()> {
     let backend = model.backend().name();
     let mut rows = vec!["backend,batch,graphs,tok_per_s,step_us,first_token_ms,launches".to_string()];
     for &batch in &args.batches {
@@ -128,5 +172,8 @@ fn bench<B: Backend>(args: &Args, model: Model<B>) -> Result<()> {
         std::fs::write(out, rows.join("\n") + "\n")
             .map_err(|e| Error::Data { path: out.clone(), detail: e.to_string() })?;
     }
-    Ok(())
+    match profiler {
+        Some(range) => profile_step(&model, args.batches[0], range),
+        None => Ok(()),
+    }
 }

@@ -490,6 +490,8 @@ def rowops_cases():
     rmsnorm_case(1103, 100, 2, "RMSNorm, d 100 (not a multiple of 4 or 32: lanes 25..31 sum nothing), T 2.")
     rmsnorm_case(1104, 1, 2, "RMSNorm, d 1 (only lane 0 has an element), T 2.")
     rmsnorm_case(1105, 1536, 2, "RMSNorm, d 1536 (12 elements per lane), T 2.")
+    rmsnorm_case(1106, 1000, 2, "RMSNorm, d 1000 (7 full strides of 128, then a partial one), T 2.")
+    rmsnorm_case(1107, 7168, 1, "RMSNorm, d 7168 (Kimi-K2's hidden size: 56 full strides), T 1.")
     silu_case(1201, 64, 3, "SiLU(gate) * up, I 64, T 3.")
     silu_case(1202, 100, 2, "SiLU(gate) * up, I 100 (not a multiple of 32), T 2.")
     q_rows_case(1301, 2, 32, 3, True, [0, 5, 1000], "Query rows, H 2, nope 32, T 3, interleaved rope pairs.")

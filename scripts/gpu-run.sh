@@ -6,10 +6,11 @@
 # case next to the test source) are copied to $OUT/proptest-regressions/, so that a case found here can
 # be committed in the repository (this machine has no git).
 # TESTS="gpu-pack/tests/NAME ..." limits the tests step to those binaries.
-# Usage: scripts/gpu-run.sh [tests|engine|step|sanitize|sanitize:quick|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
+# Usage: scripts/gpu-run.sh [tests|engine|kernels|step|sanitize|sanitize:quick|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
 #        (FILTER: a criterion name filter, e.g. bench:mla:gpu_decode runs only those rows)
 #        step: the Kimi-K2-shaped step table (examples/bench_step, random weights, 64 and 8 heads)
 #        engine: the engine's tok/s table beside transformers' (examples/bench_generate, scripts/hf_generate_bench.py)
+#        kernels: the tiny checkpoint's decode step, each kernel timed alone by ncu, summed
 #        sanitize: memcheck and racecheck of every test of every binary, SANITIZE_JOBS (default 8)
 #        (tool, binary) jobs at a time, each with --test-threads SANITIZE_THREADS (default 2) and, when
 #        SANITIZE_TIMEOUT (seconds) is set, killed after that long; sanitize:quick only the fixture and
@@ -176,6 +177,19 @@ run_engine() {
     note "transformers generate: exit $? | $(tr '\n' ' ' <"$logs/transformers.log" | tail -c 1200)"
 }
 
+# The tiny checkpoint's decode step, kernel by kernel: Nsight Compute times each kernel of one eager
+# decode step alone (examples/bench_generate --profile-step; clocks and caches as in the step) at batch
+# 1 and 32; scripts/ncu_sum.py sums them, to set beside the replayed step time of the `engine` step.
+run_kernel_sum() {
+    local batch
+    for batch in 1 32; do
+        ncu --profile-from-start off --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+            --csv gpu-pack/examples/bench_generate --gpu --tokens 16 --batches $batch --profile-step \
+            >"$logs/kernels-bs$batch.log" 2>&1
+        note "kernels of one decode step, batch $batch: exit $? | $(python3 scripts/ncu_sum.py "$logs/kernels-bs$batch.log" 2>&1 | tr '\n' ' ')"
+    done
+}
+
 # The model step at Kimi-K2 dimensions with random weights (examples/bench_step.rs), 64 heads and 8 (one GPU's
 # share of eight): step times, per-stage tables, 61-layer projections; CSVs under $OUT.
 run_step_bench() {
@@ -201,6 +215,7 @@ for step in $steps; do
         tests) run_tests ;;
         engine) run_engine ;;
         step) run_step_bench ;;
+        kernels) run_kernel_sum ;;
         sanitize) run_sanitizer '*' ;;
         sanitize:quick) run_sanitizer '*' matches_every_fixture batch_invariant ;;
         sanitize:*) run_sanitizer "${step#sanitize:}" ;;

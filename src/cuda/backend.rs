@@ -10,7 +10,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use std::time::Duration;
 
-use cudarc::driver::{sys, CudaEvent, CudaGraph, CudaSlice, CudaView, CudaViewMut};
+use cudarc::driver::{sys, CudaEvent, CudaGraph, CudaSlice, CudaView, CudaViewMut, PinnedHostSlice};
 use half::bf16;
 
 use super::gemm_bf16::{DeviceWeight, GemmPlan, Strides};
@@ -107,7 +107,14 @@ struct Plans {
     status: CudaSlice<i32>,
     /// The argmax's per-row keys (zero between calls).
     argmax_keys: CudaSlice<u64>,
+    /// Host copies of the status words, in [`STATUS_WORDS`] order.
+    status_host: Vec<PinnedHostSlice<i32>>,
+    /// [`Backend::fetch_status`] queued the copies into `status_host` since the last check.
+    status_queued: bool,
 }
+
+/// The status words a check reads: the row operations', the decode and the tree MLA plans', the MoE plan's.
+const STATUS_WORDS: usize = 4;
 
 /// The CUDA backend on one [`Gpu`] (see the module documentation).
 pub struct CudaBackend {
@@ -134,6 +141,8 @@ impl CudaBackend {
             moe: None,
             status: gpu.zeros(1)?,
             argmax_keys: gpu.zeros(1)?,
+            status_host: (0..STATUS_WORDS).map(|_| pinned_word(&gpu)).collect::<Result<_>>()?,
+            status_queued: false,
         };
         Ok(CudaBackend { gpu, plans: Mutex::new(plans), epoch: AtomicU64::new(0) })
     }
@@ -161,6 +170,12 @@ impl CudaBackend {
         }
         result
     }
+}
+
+/// One page-locked host word, so that a copy into it is queued rather than waited for.
+fn pinned_word(gpu: &Gpu) -> Result<PinnedHostSlice<i32>> {
+    // SAFETY: the word is only read after a copy into it has completed (see `Backend::check`).
+    unsafe { gpu.context().alloc_pinned::<i32>(1) }.map_err(|e| cuda_err("alloc_pinned", e))
 }
 
 fn view<'a, T: Elem>(buf: &'a CudaSlice<T>, len: usize, name: &'static str) -> Result<CudaView<'a, T>> {
@@ -468,15 +483,50 @@ impl Backend for CudaBackend {
         Ok(Duration::from_secs_f64(f64::from(ms) * 1e-3))
     }
 
-    fn check(&self) -> Result<()> {
-        let mut plans = self.plans();
-        rowops::read_status(&self.gpu, &mut plans.status, "tokens / cache slots / rows")?;
-        for mla in [&plans.mla, &plans.tree_mla].into_iter().flatten() {
-            mla.plan.check_status(&self.gpu)?;
+    fn fetch_status(&self) -> Result<()> {
+        let mut guard = self.plans();
+        let plans = &mut *guard;
+        let stream = self.gpu.stream();
+        let words = [
+            Some(plans.status.slice(0..1)),
+            plans.mla.as_ref().map(|m| m.plan.status_word()),
+            plans.tree_mla.as_ref().map(|m| m.plan.status_word()),
+            plans.moe.as_ref().map(|m| m.plan.status_word()),
+        ];
+        for (word, host) in words.iter().zip(plans.status_host.iter_mut()) {
+            match word {
+                Some(word) => stream.memcpy_dtoh(word, host),
+                None => host.as_mut_slice().map(|h| h[0] = 0),
+            }
+            .map_err(|e| cuda_err("copy status", e))?;
         }
-        if let Some(moe) = &plans.moe {
-            moe.plan.check_status(&self.gpu)?;
-        }
+        stream.memset_zeros(&mut plans.status).map_err(|e| cuda_err("memset status", e))?;
+        plans.status_queued = true;
         Ok(())
+    }
+
+    fn check(&self) -> Result<()> {
+        if !self.plans().status_queued {
+            self.fetch_status()?;
+        }
+        self.gpu.synchronize()?;
+        let mut plans = self.plans();
+        plans.status_queued = false;
+        let mut bits = [0; STATUS_WORDS];
+        for (b, host) in bits.iter_mut().zip(&plans.status_host) {
+            *b = host.as_slice().map_err(|e| cuda_err("read status", e))?[0];
+        }
+        if bits[0] != 0 {
+            return Err(Error::Index {
+                name: "tokens / cache slots / rows",
+                detail: "an index was outside its table; its row was zeroed".into(),
+            });
+        }
+        MlaPlan::status_error(bits[1])?;
+        MlaPlan::status_error(bits[2])?;
+        match &plans.moe {
+            Some(moe) => moe.plan.status_error(bits[3]),
+            None => Ok(()),
+        }
     }
 }

@@ -223,7 +223,16 @@ impl MlaPlan {
     /// Reads the status of the last run (a host round trip): an error if a slot mapped outside the block
     /// table or the cache, or a sequence had more chunks than the plan holds.
     pub fn check_status(&self, gpu: &Gpu) -> Result<()> {
-        let bits = gpu.download(&self.status)?[0];
+        Self::status_error(gpu.download(&self.status)?[0])
+    }
+
+    /// The status word of the last run, for a caller that gathers several status words in one read.
+    pub fn status_word(&self) -> CudaView<'_, i32> {
+        self.status.slice(0..1)
+    }
+
+    /// The error that the status bits `bits` (of [`MlaPlan::status_word`]) stand for, if any.
+    pub fn status_error(bits: i32) -> Result<()> {
         if bits & STATUS_BAD_PAGE != 0 {
             return Err(Error::Index {
                 name: "block_table",

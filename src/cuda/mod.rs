@@ -392,6 +392,11 @@ impl Gpu {
         self.launches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// The context of the device.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
     /// The stream every launch of this `Gpu` goes to.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream

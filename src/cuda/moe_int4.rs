@@ -590,7 +590,16 @@ impl MoePlan {
     /// Reads the status of the last routing: an error naming non-finite router logits or expert ids out
     /// of range (synchronizes).
     pub fn check_status(&self, gpu: &Gpu) -> Result<()> {
-        let status = gpu.download(&self.status)?[0];
+        self.status_error(gpu.download(&self.status)?[0])
+    }
+
+    /// The status word of the last routing, for a caller that gathers several status words in one read.
+    pub fn status_word(&self) -> CudaView<'_, i32> {
+        self.status.slice(0..1)
+    }
+
+    /// The error that the status bits `status` (of [`MoePlan::status_word`]) stand for, if any.
+    pub fn status_error(&self, status: i32) -> Result<()> {
         if status & STATUS_BAD_LOGIT != 0 {
             return Err(Error::Logits { name: "router_logits / bias", row: 0, problem: "non-finite value" });
         }

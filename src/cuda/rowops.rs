@@ -1,7 +1,7 @@
 //! Launcher of kernels/rowops.cu: the per-row operations of the forward pass (see [`crate::cpu::rowops`],
 //! whose bits they give). Each call only checks lengths on the host and queues one launch. The ops that
 //! index (embedding ids, cache slots, gathered rows) trust the values and report a bad one through a
-//! status word instead: [`read_status`] turns it into an error.
+//! status word instead, which `Backend::check` of the CUDA backend turns into an error.
 
 use std::sync::Arc;
 
@@ -15,6 +15,10 @@ use crate::error::{check_len, Error, Result};
 
 /// Longest row RMSNorm takes: the row is staged in shared memory (96 KiB).
 pub const MAX_NORM_DIM: usize = 24 * 1024;
+/// Threads of an RMSNorm block (kernels/rowops.cu's `NORM_THREADS`).
+const NORM_THREADS: u32 = 1024;
+/// Threads of an embedding or gather block (kernels/rowops.cu's `COPY_THREADS`).
+const COPY_THREADS: u32 = 512;
 /// Values of a row each argmax block reduces.
 const ARGMAX_CHUNK: usize = 4096;
 
@@ -92,16 +96,6 @@ fn at_least(name: &'static str, len: usize, need: usize, what: String) -> Result
     Ok(())
 }
 
-/// Reads (and clears) a status word the indexing ops set: an error naming `what` when a bad index was seen.
-pub fn read_status(gpu: &Gpu, status: &mut CudaSlice<i32>, what: &'static str) -> Result<()> {
-    let bits = gpu.download(status)?[0];
-    gpu.stream().memset_zeros(status).map_err(|e| cuda_err("memset status", e))?;
-    if bits != 0 {
-        return Err(Error::Index { name: what, detail: "an index was outside its table; its row was zeroed".into() });
-    }
-    Ok(())
-}
-
 /// RMSNorm of `rows` rows of `w.len()` values, at row strides `x_stride` and `y_stride`.
 #[allow(clippy::too_many_arguments)]
 pub fn rmsnorm(
@@ -131,7 +125,7 @@ pub fn rmsnorm(
         (to_i32("x stride", x_stride)?, to_i32("d", d)?, to_i32("y stride", y_stride)?, to_i32("rows", rows)?);
     let mut b = gpu.stream().launch_builder(&gpu.kernels.rowops.rmsnorm);
     b.arg(x).arg(&xs).arg(w).arg(&dd).arg(&eps).arg(&r).arg(y).arg(&ys);
-    let cfg = LaunchConfig { shared_mem_bytes: (d * 4) as u32, ..block_rows(rows, 256)? };
+    let cfg = LaunchConfig { shared_mem_bytes: (d * 4) as u32, ..block_rows(rows, NORM_THREADS)? };
     unsafe { b.launch(cfg) }.map_err(|e| cuda_err("rowops_rmsnorm", e))?;
     gpu.after_launch("rowops_rmsnorm")
 }
@@ -246,7 +240,7 @@ pub fn embed(
     let (h, v) = (to_i32("hidden", hidden)?, to_i32("vocab", table.len() / hidden)?);
     let mut b = gpu.stream().launch_builder(&gpu.kernels.rowops.embed);
     b.arg(table).arg(&h).arg(&v).arg(ids).arg(out).arg(status);
-    unsafe { b.launch(block_rows(tokens, 128)?) }.map_err(|e| cuda_err("rowops_embed", e))?;
+    unsafe { b.launch(block_rows(tokens, COPY_THREADS)?) }.map_err(|e| cuda_err("rowops_embed", e))?;
     gpu.after_launch("rowops_embed")
 }
 
@@ -299,7 +293,7 @@ pub fn gather(
     let (d, r) = (to_i32("dim", dim)?, to_i32("rows", rows)?);
     let mut b = gpu.stream().launch_builder(&gpu.kernels.rowops.gather);
     b.arg(x).arg(&d).arg(&r).arg(idx).arg(out).arg(status);
-    unsafe { b.launch(block_rows(picked, 128)?) }.map_err(|e| cuda_err("rowops_gather", e))?;
+    unsafe { b.launch(block_rows(picked, COPY_THREADS)?) }.map_err(|e| cuda_err("rowops_gather", e))?;
     gpu.after_launch("rowops_gather")
 }
 

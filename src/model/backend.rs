@@ -252,8 +252,16 @@ pub trait Backend: Send + Sync {
     /// Time the backend spent between two marks (on CUDA: waits for the second).
     fn elapsed(&self, from: &Self::Mark, to: &Self::Mark) -> Result<std::time::Duration>;
 
+    /// Queues the copy of the device's status words to the host behind the work queued so far, so that
+    /// the next read brings them along and [`Backend::check`] needs no round trip of its own. Nothing to
+    /// do on the CPU.
+    fn fetch_status(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Reports what the operations since the last check found wrong on the device (a bad index, a page
-    /// outside the cache); on the CPU every operation reports at once, so this is always Ok. One host
-    /// round trip on CUDA.
+    /// outside the cache); on the CPU every operation reports at once, so this is always Ok. On CUDA it
+    /// waits for the queued work and reads the words [`Backend::fetch_status`] queued (fetching them first
+    /// if it was not called).
     fn check(&self) -> Result<()>;
 }

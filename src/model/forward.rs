@@ -689,6 +689,7 @@ impl<B: Backend> Model<B> {
             }
         }
         cache.advance(requests);
+        b.fetch_status()?;
         let result = finish(b, s, picked)?;
         b.check()?;
         Ok(result)
