@@ -1,10 +1,14 @@
-//! Autoregressive generation from a checkpoint directory, on the CPU or (with `--features cuda` and
-//! `--gpu`) the CUDA backend: greedy (the argmax taken where the model runs), or temperature / top-p
-//! sampling with a seed. Prints the text as it is generated, then the load time, the time to the first
-//! token and the decode rate. Bad options or a prompt that does not fit the context are errors that say so.
+//! Generation from a checkpoint directory, on the CPU or (with `--features cuda` and `--gpu`) the CUDA
+//! backend. Greedy generation runs through the speculative engine (`kdtree_engine::spec`) in `--mode ar`,
+//! `chain` or `ddtree` (drafts from prompt lookup; `--budget` tree nodes, `--block` size), for `--batch`
+//! copies of the prompt; every mode emits the same tokens. Temperature / top-p sampling with a seed runs
+//! plain decoding. Prints the text as it is generated, then the load time, the time to the first token,
+//! the decode rate and the speculative counters. Bad options or a prompt that does not fit the context
+//! are errors that say so.
 //!
 //! ```text
 //! cargo run --release --example generate -- --prompt "The capital of France is"
+//! cargo run --release --example generate -- --mode ddtree --budget 32 --batch 4
 //! cargo run --release --example generate -- --chat --prompt "Hi!" --temperature 0.8 --top-p 0.9 --seed 7
 //! cargo run --release --features cuda --example generate -- --gpu --prompt "The capital of France is"
 //! ```
@@ -20,6 +24,7 @@ use std::time::Instant;
 use clap::Parser;
 use kdtree_engine::model::backend::Backend;
 use kdtree_engine::model::{ChatMessage, KvCache, Logits, Model, Tokenizer};
+use kdtree_engine::spec::{Engine, EngineConfig, Mode, NgramProposer, RequestParams};
 use kdtree_engine::{Error, Result};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -51,6 +56,18 @@ struct Args {
     /// Run on the CUDA backend (needs the `cuda` feature and a device).
     #[arg(long)]
     gpu: bool,
+    /// Decoding mode: ar, chain or ddtree (greedy only, for now, in chain and ddtree).
+    #[arg(long, default_value = "ar")]
+    mode: Mode,
+    /// Draft tree nodes per step in ddtree mode.
+    #[arg(long, default_value_t = 16)]
+    budget: usize,
+    /// Block size: the bonus token and block - 1 draft positions.
+    #[arg(long, default_value_t = 16)]
+    block: usize,
+    /// Copies of the prompt decoded together (the first one's text is printed).
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
 }
 
 /// Checks the sampling options; an error names the bad one.
@@ -63,6 +80,16 @@ fn check_args(args: &Args) -> Result<()> {
     }
     if args.max_tokens == 0 {
         return Err(Error::param("--max-tokens", 0, "must be at least 1"));
+    }
+    if args.batch == 0 {
+        return Err(Error::param("--batch", 0, "must be at least 1"));
+    }
+    if args.temperature > 0.0 && (args.mode != Mode::Ar || args.batch > 1) {
+        return Err(Error::param(
+            "--temperature",
+            args.temperature,
+            "sampling runs plain decoding of one prompt: use --mode ar --batch 1, or temperature 0",
+        ));
     }
     Ok(())
 }
@@ -110,40 +137,118 @@ fn encode_prompt(args: &Args, tokenizer: &Tokenizer, context: usize) -> Result<(
     Ok((text, prompt))
 }
 
-/// Generates from `model` (loading began at `start`), printing the text as it comes, then the timings.
+/// Prints the new suffix of the text of `generated` past the `shown` bytes printed already; a token
+/// that ends inside a UTF-8 character decodes to U+FFFD until the character is complete, so wait for it.
+fn show(tokenizer: &Tokenizer, generated: &[u32], shown: &mut usize) -> Result<()> {
+    let so_far = tokenizer.decode(generated, true)?;
+    if so_far.len() > *shown && so_far.is_char_boundary(*shown) && !so_far.ends_with('\u{FFFD}') {
+        print!("{}", &so_far[*shown..]);
+        std::io::stdout().flush().ok();
+        *shown = so_far.len();
+    }
+    Ok(())
+}
+
+/// Generates from `model` (loading began at `start`): greedy through the engine, sampling plainly.
 fn generate<B: Backend>(args: &Args, model: Model<B>, start: Instant) -> Result<()> {
     let tokenizer = Tokenizer::from_dir(&args.model)?;
     let load = start.elapsed();
     let (text, prompt) = encode_prompt(args, &tokenizer, model.config().max_position_embeddings)?;
+    if args.temperature == 0.0 {
+        return generate_greedy(args, &model, &tokenizer, (&text, &prompt), load);
+    }
+    print!("{text}");
+    generate_sampled(args, &model, &tokenizer, &prompt, load)
+}
+
+/// `--batch` copies of the prompt through the speculative engine; prints the first one's text.
+fn generate_greedy<B: Backend>(
+    args: &Args,
+    model: &Model<B>,
+    tokenizer: &Tokenizer,
+    (text, prompt): (&str, &[u32]),
+    load: std::time::Duration,
+) -> Result<()> {
+    let len = prompt.len() + args.max_tokens + args.budget.max(args.block) + 1;
+    let page_size = 16;
+    let config = EngineConfig {
+        mode: args.mode,
+        budget: args.budget,
+        block: args.block,
+        num_pages: args.batch * len.div_ceil(page_size),
+        page_size,
+        max_seq_len: len,
+    };
+    let mut engine = Engine::new(model, NgramProposer::default(), config)?;
+    print!("{text}");
+    let stop_tokens = tokenizer.eos_token_id().into_iter().collect::<Vec<_>>();
+    let ids: Vec<_> = (0..args.batch)
+        .map(|_| {
+            engine.add_request(prompt, RequestParams { max_tokens: args.max_tokens, stop_tokens: stop_tokens.clone() })
+        })
+        .collect::<Result<_>>()?;
+    let begin = Instant::now();
+    let (mut generated, mut shown, mut first_token) = (Vec::new(), 0, None);
+    while engine.pending() > 0 {
+        for out in engine.step()? {
+            if out.id == ids[0] {
+                generated.extend(&out.tokens);
+                show(tokenizer, &generated, &mut shown)?;
+            }
+        }
+        first_token.get_or_insert_with(|| begin.elapsed());
+    }
+    let total = begin.elapsed();
+    let first_token = first_token.unwrap_or(total);
+    println!();
+    let stats = engine.stats();
+    let decoded = stats.tokens.saturating_sub(args.batch as u64);
+    let decode = total - first_token;
+    eprintln!(
+        "{}: load {load:.2?}; {} x prompt of {} tokens, first tokens after {first_token:.2?}; {decoded} more tokens in \
+         {decode:.2?} ({:.1} tok/s)",
+        model.backend().name(),
+        args.batch,
+        prompt.len(),
+        decoded as f64 / decode.as_secs_f64()
+    );
+    let by_depth: Vec<String> = stats.accepted_by_depth.iter().map(|n| n.to_string()).collect();
+    eprintln!(
+        "mode {:?}: {} steps, mean accepted length {:.2}, {} of {} draft tokens accepted; accepted at depth 1..: [{}]",
+        args.mode,
+        stats.steps,
+        stats.mean_accepted_length(),
+        stats.accepted,
+        stats.draft_tokens,
+        by_depth.join(", ")
+    );
+    Ok(())
+}
+
+/// One prompt, sampled token by token.
+fn generate_sampled<B: Backend>(
+    args: &Args,
+    model: &Model<B>,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    load: std::time::Duration,
+) -> Result<()> {
     let len = prompt.len() + args.max_tokens;
     let mut cache = model.new_cache(len.div_ceil(64) + 1, 64, len)?;
     let seq = cache.add_sequence();
     let mut rng = StdRng::seed_from_u64(args.seed);
-    print!("{text}");
-    let greedy = args.temperature == 0.0;
-    // Greedy steps read back only the argmax token; sampling reads the logits.
     let mut step = |cache: &mut KvCache<B>, tokens: &[u32]| -> Result<u32> {
-        if greedy {
-            return Ok(model.forward_argmax(cache, &[(seq, tokens)], Logits::Last)?[0]);
-        }
         let logits = model.forward(cache, &[(seq, tokens)], Logits::Last)?;
         Ok(pick(&logits, args.temperature, args.top_p, &mut rng))
     };
     let begin = Instant::now();
-    let mut next = step(&mut cache, &prompt)?;
+    let mut next = step(&mut cache, prompt)?;
     let first_token = begin.elapsed();
     let mut generated: Vec<u32> = Vec::new();
     let mut shown = 0;
     loop {
         generated.push(next);
-        // Decode everything so far and print the new suffix; a token that ends inside a UTF-8 character
-        // decodes to U+FFFD until the character is complete, so wait for it.
-        let so_far = tokenizer.decode(&generated, true)?;
-        if so_far.len() > shown && so_far.is_char_boundary(shown) && !so_far.ends_with('\u{FFFD}') {
-            print!("{}", &so_far[shown..]);
-            std::io::stdout().flush().ok();
-            shown = so_far.len();
-        }
+        show(tokenizer, &generated, &mut shown)?;
         if generated.len() == args.max_tokens || Some(next) == tokenizer.eos_token_id() {
             break;
         }
@@ -162,15 +267,11 @@ fn generate<B: Backend>(args: &Args, model: Model<B>, start: Instant) -> Result<
     Ok(())
 }
 
-/// Greedy (ties to the smaller id) at temperature 0, else a sample from the top-p nucleus of
-/// `softmax(logits / temperature)`.
+/// A sample from the top-p nucleus of `softmax(logits / temperature)`, temperature > 0.
 fn pick(logits: &[f32], temperature: f32, top_p: f32, rng: &mut StdRng) -> u32 {
     let mut order: Vec<usize> = (0..logits.len()).collect();
     // Largest first; the stable sort keeps the smaller id first among ties.
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-    if temperature == 0.0 {
-        return order[0] as u32;
-    }
     let max = logits[order[0]];
     let weights: Vec<f64> = order.iter().map(|&i| (((logits[i] - max) / temperature) as f64).exp()).collect();
     let total: f64 = weights.iter().sum();

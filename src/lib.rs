@@ -45,6 +45,7 @@ pub mod cuda;
 pub mod error;
 pub mod fixture;
 pub mod model;
+pub mod spec;
 pub mod types;
 
 pub use error::{Error, Result};

@@ -7,11 +7,13 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 
 use crate::cpu::gemm_bf16::{dot, gemm_bf16};
+use crate::cpu::kv_compact::kv_compact;
 use crate::cpu::mla::{mla_decode, tree_verify, MlaOutput, PagedCache, LATENT, ROW};
 use crate::cpu::moe_int4::{moe_int4, route, Experts, Int4Matrix, Int4Owned, OwnedExperts};
 use crate::cpu::rowops::{self, QueryShape};
 use crate::error::{check_len, Error, Result};
-use crate::model::backend::{AttentionInputs, Backend, Elem, HeadStrides, KvWrite, TreeRows};
+use crate::model::backend::{AttentionInputs, Backend, Compaction, Elem, HeadStrides, KvWrite, TreeRows};
+use crate::types::KvLayout;
 
 /// The CPU backend (see the module documentation).
 #[derive(Clone, Copy, Debug, Default)]
@@ -240,6 +242,14 @@ impl Backend for CpuBackend {
             interleave,
             prefix_mut("out", out, rows * ROW)?,
         )
+    }
+
+    fn kv_compact(&self, caches: &mut [Vec<bf16>], layout: KvLayout, m: &Compaction) -> Result<()> {
+        for cache in caches {
+            let (rows, table) = (&m.accept_rows, &m.block_tables);
+            kv_compact(cache, &layout, table, &m.seq_len, &m.accept_len, rows, m.depth, m.n_rows)?;
+        }
+        Ok(())
     }
 
     fn kv_rows(&self, x: &KvWrite<Self>, tokens: usize, cache: &mut Vec<bf16>) -> Result<()> {

@@ -14,6 +14,7 @@ use cudarc::driver::{sys, CudaEvent, CudaGraph, CudaSlice, CudaView, CudaViewMut
 use half::bf16;
 
 use super::gemm_bf16::{DeviceWeight, GemmPlan, Strides};
+use super::kv_compact::{self, CompactArgs};
 use super::mla::{DeviceCache, DeviceMlaOutput, MlaPlan};
 use super::moe_int4::{dequantize_native, random_native, DeviceExperts, DeviceInt4, ExpertsShape, MoePlan};
 use super::rowops::{self, KvRowInputs};
@@ -22,7 +23,8 @@ use crate::cpu::mla::ROW;
 use crate::cpu::moe_int4::Experts;
 use crate::cpu::rowops::QueryShape;
 use crate::error::{Error, Result};
-use crate::model::backend::{AttentionInputs, Backend, Elem, HeadStrides, KvWrite, TreeRows};
+use crate::model::backend::{AttentionInputs, Backend, Compaction, Elem, HeadStrides, KvWrite, TreeRows};
+use crate::types::KvLayout;
 
 /// Group scales of the random weights ([`Backend::random_linear`]).
 const RANDOM_SCALES: (f32, f32) = (0.002, 0.006);
@@ -319,6 +321,29 @@ impl Backend for CudaBackend {
             KvRowInputs { kv: &kv, norm_w: &norm_w, eps: x.eps, table: &table, interleave: x.interleave, slot: &slot };
         let mut plans = self.plans();
         rowops::kv_rows(&self.gpu, &inputs, tokens, &mut cache.as_view_mut(), &mut plans.status)
+    }
+
+    fn kv_compact(&self, caches: &mut [CudaSlice<bf16>], layout: KvLayout, m: &Compaction) -> Result<()> {
+        if m.seq_len.is_empty() {
+            return Ok(());
+        }
+        let block_table = self.gpu.upload(&m.block_tables)?;
+        let seq_len = self.gpu.upload(&m.seq_len)?;
+        let accept_len = self.gpu.upload(&m.accept_len)?;
+        let accept_rows = self.gpu.upload(&m.accept_rows)?;
+        let args = CompactArgs {
+            block_table: &block_table,
+            seq_len: &seq_len,
+            accept_len: &accept_len,
+            accept_rows: &accept_rows,
+            depth: m.depth,
+            n_rows: m.n_rows,
+        };
+        let mut plans = self.plans();
+        for cache in caches {
+            kv_compact::kv_compact(&self.gpu, cache, &layout, &args, &mut plans.status)?;
+        }
+        Ok(())
     }
 
     fn embed(

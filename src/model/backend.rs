@@ -76,6 +76,24 @@ pub struct KvWrite<'a, B: Backend + ?Sized> {
     pub slot: &'a B::Buf<i32>,
 }
 
+/// The accepted tree rows of a batch, for [`Backend::kv_compact`] (the arrays of
+/// [`crate::cpu::kv_compact::kv_compact`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Compaction {
+    /// `[bs, pages_per_req]` block tables.
+    pub block_tables: Vec<i32>,
+    /// `[bs]` committed lengths: tree row i sits at slot `seq_len + i`.
+    pub seq_len: Vec<i32>,
+    /// `[bs]` accepted draft rows (root excluded).
+    pub accept_len: Vec<i32>,
+    /// `[bs, depth + 1]` accepted rows, root (0) first; -1 padding.
+    pub accept_rows: Vec<i32>,
+    /// Draft depth L.
+    pub depth: usize,
+    /// Tree rows N written after each prefix.
+    pub n_rows: usize,
+}
+
 /// The operations and storage of a backend (see the module documentation).
 pub trait Backend: Send + Sync {
     /// A buffer of `T` on this backend.
@@ -158,6 +176,9 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
     /// Writes `tokens` cache rows into `cache`.
     fn kv_rows(&self, x: &KvWrite<Self>, tokens: usize, cache: &mut Self::Buf<bf16>) -> Result<()>;
+    /// Moves each request's accepted tree rows to the slots right after its committed length, in every
+    /// layer's cache of `layout` (one layer per buffer), as if every row were read before any is written.
+    fn kv_compact(&self, caches: &mut [Self::Buf<bf16>], layout: KvLayout, moves: &Compaction) -> Result<()>;
     /// `out [tokens, hidden]` = rows `ids` of the embedding `table`.
     fn embed(
         &self,

@@ -21,7 +21,7 @@ use crate::cpu::backend::CpuBackend;
 use crate::cpu::mla::{LATENT, ROPE, ROW};
 use crate::cpu::rowops::{QueryShape, ROPE_TABLE};
 use crate::error::{check_len, Error, Result};
-use crate::model::backend::{AttentionInputs, Backend, HeadStrides, KvWrite, TreeRows};
+use crate::model::backend::{AttentionInputs, Backend, Compaction, HeadStrides, KvWrite, TreeRows};
 use crate::model::config::Config;
 use crate::model::layers::{self, MlaWeights, QueryProj};
 use crate::model::rope::Rope;
@@ -359,6 +359,15 @@ pub struct TreeInput<'a> {
     /// `[N, ceil(N / 32)]` bits: row i attends to the tree rows whose bits are set (itself and its
     /// ancestors).
     pub visibility: &'a [u32],
+}
+
+/// One sequence's accepted path through its tree of the last step ([`KvCache::commit_trees`]).
+#[derive(Clone, Copy, Debug)]
+pub struct TreeCommit<'a> {
+    /// The sequence's id in the cache.
+    pub seq: usize,
+    /// The accepted tree rows, root (row 0) first, each the child of the one before.
+    pub rows: &'a [usize],
 }
 
 /// The tree part of a step: `shape` requests with their block tables, prefix lengths and visibility.
@@ -1119,6 +1128,69 @@ impl<B: Backend> KvCache<B> {
     /// Pages not held by any sequence.
     pub fn free_pages(&self) -> usize {
         self.free.len()
+    }
+
+    /// Slots a sequence may hold (the `max_seq_len` the cache was made for, rounded up to whole pages).
+    pub fn max_seq_len(&self) -> usize {
+        self.layout.pages_per_req * self.layout.page_size
+    }
+
+    /// Commits the accepted paths through the trees of the last step: each path's rows (root first,
+    /// written at slots `len + row`) move to the slots `len ..` in every layer, and the sequence advances
+    /// by the path's length. `n_rows` is the step's tree rows per sequence. Every path is checked before
+    /// any row moves, so an error leaves the cache as it was.
+    pub fn commit_trees(&mut self, backend: &B, commits: &[TreeCommit], n_rows: usize) -> Result<()> {
+        let depth = commits.iter().map(|c| c.rows.len().saturating_sub(1)).max().unwrap_or(0);
+        let mut moves = Compaction { depth, n_rows, ..Compaction::default() };
+        for (i, c) in commits.iter().enumerate() {
+            self.check_commit(c, n_rows)?;
+            if commits[..i].iter().any(|o| o.seq == c.seq) {
+                return Err(Error::param("commits", c.seq, "a sequence may commit one path a step"));
+            }
+            moves.block_tables.extend(self.block_table(c.seq)?);
+            moves.seq_len.push(self.seq(c.seq)?.len as i32);
+            moves.accept_len.push((c.rows.len() - 1) as i32);
+            let mut rows: Vec<i32> = c.rows.iter().map(|&r| r as i32).collect();
+            rows.resize(depth + 1, -1);
+            moves.accept_rows.extend(rows);
+        }
+        if depth > 0 {
+            backend.kv_compact(&mut self.storage, self.layout, &moves)?;
+        }
+        for c in commits {
+            if let Some(seq) = self.seqs.get_mut(c.seq).and_then(Option::as_mut) {
+                seq.len += c.rows.len();
+            }
+        }
+        Ok(())
+    }
+
+    /// A path starts at the root and goes down the rows (a child's row is after its parent's) of a
+    /// tree whose rows the sequence's pages hold.
+    fn check_commit(&self, c: &TreeCommit, n_rows: usize) -> Result<()> {
+        let seq = self.seq(c.seq)?;
+        if c.rows.first() != Some(&0) || c.rows.len() > n_rows {
+            return Err(Error::param(
+                "rows",
+                format!("{:?}", c.rows),
+                format!("sequence {}: a path of 1..={n_rows} tree rows starting at the root (row 0)", c.seq),
+            ));
+        }
+        if let Some(j) = (1..c.rows.len()).find(|&j| c.rows[j] <= c.rows[j - 1] || c.rows[j] >= n_rows) {
+            return Err(Error::param(
+                "rows",
+                format!("{:?}", c.rows),
+                format!("sequence {}: row {j} must come after row {} and be < {n_rows}", c.seq, j - 1),
+            ));
+        }
+        if seq.len + n_rows > seq.pages.len() * self.layout.page_size {
+            return Err(Error::param(
+                "n_rows",
+                n_rows,
+                format!("sequence {} holds no tree of {n_rows} rows past its {} tokens", c.seq, seq.len),
+            ));
+        }
+        Ok(())
     }
 
     fn seq(&self, id: usize) -> Result<&Sequence> {

@@ -10,5 +10,5 @@ pub mod rope;
 pub mod tokenizer;
 pub mod weights;
 
-pub use forward::{KvCache, Logits, Model, Stage, StageTime, StepRequest, TreeInput};
+pub use forward::{KvCache, Logits, Model, Stage, StageTime, StepRequest, TreeCommit, TreeInput};
 pub use tokenizer::{ChatMessage, Tokenizer};

@@ -1,0 +1,441 @@
+//! The generation loop over a target [`Model`]: requests join and leave between steps; each step is a
+//! prefill of the requests that joined, or one decode / verify step of all the others.
+
+use crate::cpu::greedy_accept::accept_from_argmax;
+use crate::cpu::tree_build::build_trees;
+use crate::error::{Error, Result};
+use crate::model::backend::Backend;
+use crate::model::{KvCache, Logits, Model, StepRequest, TreeCommit, TreeInput};
+use crate::types::{top_k_for, DraftTree, TreeShape};
+use crate::{MAX_BUDGET, MAX_DEPTH};
+
+use super::proposer::Proposer;
+
+/// How the engine decodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// One token per sequence per step.
+    Ar,
+    /// The proposer's best token at each of `block - 1` positions, verified as a path.
+    Chain,
+    /// The best-first tree of `budget` nodes over the proposer's candidates (DDTree), verified at once.
+    DdTree,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "ar" => Ok(Mode::Ar),
+            "chain" => Ok(Mode::Chain),
+            "ddtree" => Ok(Mode::DdTree),
+            _ => Err(Error::param("mode", s, "must be one of ar, chain, ddtree")),
+        }
+    }
+}
+
+/// The engine's settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Decoding mode.
+    pub mode: Mode,
+    /// Draft nodes per tree (`ddtree`), root excluded: a verify step runs `budget + 1` rows a sequence.
+    pub budget: usize,
+    /// Block size: the bonus token and `block - 1` draft positions (the deepest a draft goes).
+    pub block: usize,
+    /// KV cache pages.
+    pub num_pages: usize,
+    /// Slots per page.
+    pub page_size: usize,
+    /// Longest sequence (prompt, generated tokens and the rows of one tree).
+    pub max_seq_len: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig { mode: Mode::DdTree, budget: 16, block: 16, num_pages: 1024, page_size: 16, max_seq_len: 2048 }
+    }
+}
+
+impl EngineConfig {
+    /// Checks the budget and block against the tree limits.
+    pub fn validate(&self) -> Result<()> {
+        if self.block < 2 || self.block > MAX_DEPTH + 1 {
+            return Err(Error::param("block", self.block, format!("block size must be in 2..={}", MAX_DEPTH + 1)));
+        }
+        if self.mode == Mode::DdTree && (self.budget == 0 || self.budget > MAX_BUDGET.min(64)) {
+            return Err(Error::param(
+                "budget",
+                self.budget,
+                format!("tree budget must be in 1..={}", MAX_BUDGET.min(64)),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Draft positions L.
+    fn depth(&self) -> usize {
+        self.block - 1
+    }
+
+    /// Rows a verify step gives a sequence: the root and the draft nodes.
+    fn tree_rows(&self) -> usize {
+        match self.mode {
+            Mode::Ar => 1,
+            Mode::Chain => self.block,
+            Mode::DdTree => self.budget + 1,
+        }
+    }
+}
+
+/// What a request asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestParams {
+    /// Tokens to generate at most (at least 1).
+    pub max_tokens: usize,
+    /// Tokens that end the request; the stop token itself is not emitted.
+    pub stop_tokens: Vec<u32>,
+}
+
+/// A request's handle.
+pub type RequestId = u64;
+
+/// Why a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It generated `max_tokens`.
+    Length,
+    /// It emitted a stop token.
+    Stop,
+}
+
+/// A request's part of a step's result.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepOutput {
+    /// The request.
+    pub id: RequestId,
+    /// Its new tokens, in order.
+    pub tokens: Vec<u32>,
+    /// Set when the request ended with this step (it is then removed).
+    pub finished: Option<FinishReason>,
+}
+
+/// Counters of a run (ENGINE.md §9; the spec-decode ones have vLLM's meaning).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SpecStats {
+    /// Prefill steps.
+    pub prefill_steps: u64,
+    /// Decode and verify steps.
+    pub steps: u64,
+    /// Tokens emitted (prefills' first tokens included).
+    pub tokens: u64,
+    /// Sequence verifications of a draft (one per sequence per verify step).
+    pub drafts: u64,
+    /// Draft nodes verified.
+    pub draft_tokens: u64,
+    /// Draft tokens accepted.
+    pub accepted: u64,
+    /// Entry d: verifications that accepted at least d + 1 draft tokens.
+    pub accepted_by_depth: Vec<u64>,
+}
+
+impl SpecStats {
+    /// 1 + accepted / drafts: tokens a verification emits on average (1 without drafts).
+    pub fn mean_accepted_length(&self) -> f64 {
+        1.0 + self.accepted as f64 / self.drafts.max(1) as f64
+    }
+}
+
+/// One request in flight. The cache holds every history token but the last (the one the target
+/// emitted last, which the next step feeds in).
+struct Active {
+    id: RequestId,
+    seq: usize,
+    history: Vec<u32>,
+    prefilled: bool,
+    params: RequestParams,
+    generated: usize,
+}
+
+/// The speculative decoding engine over `model` with proposer `P` (see the module documentation).
+pub struct Engine<'m, B: Backend, P: Proposer> {
+    model: &'m Model<B>,
+    cache: KvCache<B>,
+    proposer: P,
+    config: EngineConfig,
+    active: Vec<Active>,
+    next_id: RequestId,
+    stats: SpecStats,
+}
+
+impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
+    /// An engine with its own KV cache.
+    pub fn new(model: &'m Model<B>, proposer: P, config: EngineConfig) -> Result<Self> {
+        config.validate()?;
+        let cache = model.new_cache(config.num_pages, config.page_size, config.max_seq_len)?;
+        let stats = SpecStats { accepted_by_depth: vec![0; config.depth()], ..SpecStats::default() };
+        Ok(Engine { model, cache, proposer, config, active: Vec::new(), next_id: 0, stats })
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> &SpecStats {
+        &self.stats
+    }
+
+    /// Requests not yet finished.
+    pub fn pending(&self) -> usize {
+        self.active.len()
+    }
+
+    /// Queues a request; its prefill runs at the next step.
+    pub fn add_request(&mut self, prompt: &[u32], params: RequestParams) -> Result<RequestId> {
+        let vocab = self.model.config().vocab_size;
+        if prompt.is_empty() {
+            return Err(Error::param("prompt", "[]", "needs at least one token"));
+        }
+        if let Some(&t) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::param("prompt", t, format!("token ids must be < the vocabulary size {vocab}")));
+        }
+        if params.max_tokens == 0 {
+            return Err(Error::param("max_tokens", 0, "must be at least 1"));
+        }
+        let room = self.cache.max_seq_len();
+        if prompt.len() + params.max_tokens > room {
+            return Err(Error::param(
+                "max_tokens",
+                params.max_tokens,
+                format!("prompt ({} tokens) + max_tokens exceeds the context of {room} tokens", prompt.len()),
+            ));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let seq = self.cache.add_sequence();
+        self.active.push(Active { id, seq, history: prompt.to_vec(), prefilled: false, params, generated: 0 });
+        Ok(id)
+    }
+
+    /// Ends a request early and frees its cache pages.
+    pub fn cancel(&mut self, id: RequestId) -> Result<()> {
+        let i = self.active.iter().position(|a| a.id == id).ok_or_else(|| unknown(id))?;
+        let a = self.active.remove(i);
+        self.cache.remove_sequence(a.seq)
+    }
+
+    /// Runs one step: the prefill of the requests added since the last step if there are any, else a
+    /// decode or verify step of every request. Returns each stepped request's new tokens.
+    pub fn step(&mut self) -> Result<Vec<StepOutput>> {
+        let fresh: Vec<usize> = (0..self.active.len()).filter(|&i| !self.active[i].prefilled).collect();
+        let emitted = if !fresh.is_empty() {
+            self.prefill(&fresh)?
+        } else if !self.active.is_empty() {
+            self.decode()?
+        } else {
+            return Ok(Vec::new());
+        };
+        self.finish(emitted)
+    }
+
+    /// Runs steps until every request has finished; returns each request's tokens, in id order.
+    pub fn run_to_end(&mut self) -> Result<Vec<(RequestId, Vec<u32>)>> {
+        let mut out: Vec<(RequestId, Vec<u32>)> = self.active.iter().map(|a| (a.id, Vec::new())).collect();
+        while !self.active.is_empty() {
+            for o in self.step()? {
+                if let Some(entry) = out.iter_mut().find(|(id, _)| *id == o.id) {
+                    entry.1.extend(o.tokens);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The prompts of `fresh` (indices into `active`) in one step; each gets its first token.
+    fn prefill(&mut self, fresh: &[usize]) -> Result<Vec<(usize, Vec<u32>)>> {
+        let requests: Vec<StepRequest> = fresh
+            .iter()
+            .map(|&i| StepRequest { seq: self.active[i].seq, tokens: &self.active[i].history, tree: None })
+            .collect();
+        let first = self.model.step_argmax(&mut self.cache, &requests, Logits::Last)?;
+        self.stats.prefill_steps += 1;
+        for &i in fresh {
+            self.active[i].prefilled = true;
+        }
+        Ok(fresh.iter().zip(first).map(|(&i, t)| (i, vec![t])).collect())
+    }
+
+    /// One step of every request: a decode row for each in `ar` mode (and for a sequence with no room
+    /// left for a tree), otherwise a draft verified as a tree.
+    fn decode(&mut self) -> Result<Vec<(usize, Vec<u32>)>> {
+        let n_rows = self.config.tree_rows();
+        let room = self.cache.max_seq_len();
+        let (mut plain, mut drafted) = (Vec::new(), Vec::new());
+        for (i, a) in self.active.iter().enumerate() {
+            let len = a.history.len() - 1;
+            if self.config.mode == Mode::Ar || len + n_rows > room {
+                plain.push(i);
+            } else {
+                drafted.push(i);
+            }
+        }
+        let trees = if drafted.is_empty() { None } else { Some(self.build_trees(&drafted)?) };
+        let rows = trees.as_ref().map(TreeRows::of).unwrap_or_default();
+        let mut requests: Vec<StepRequest> = plain
+            .iter()
+            .map(|&i| StepRequest { seq: self.active[i].seq, tokens: last(&self.active[i].history), tree: None })
+            .collect();
+        for (j, &i) in drafted.iter().enumerate() {
+            let r = j * n_rows..(j + 1) * n_rows;
+            let w = rows.words;
+            let tree =
+                TreeInput { depth: &rows.depth[r.clone()], visibility: &rows.visibility[r.start * w..r.end * w] };
+            requests.push(StepRequest { seq: self.active[i].seq, tokens: &rows.tokens[r], tree: Some(tree) });
+        }
+        let argmax = self.model.step_argmax(&mut self.cache, &requests, Logits::All)?;
+        self.stats.steps += 1;
+        let mut emitted: Vec<(usize, Vec<u32>)> = plain.iter().zip(&argmax).map(|(&i, &t)| (i, vec![t])).collect();
+        if let Some(tree) = &trees {
+            emitted.extend(self.accept(&drafted, tree, &argmax[plain.len()..], n_rows)?);
+        }
+        Ok(emitted)
+    }
+
+    /// The draft trees of `drafted` (indices into `active`), from the proposer's candidates.
+    fn build_trees(&mut self, drafted: &[usize]) -> Result<DraftTree> {
+        let vocab = self.model.config().vocab_size;
+        let depth = self.config.depth();
+        let (budget, k) = match self.config.mode {
+            Mode::Chain => (depth, 1),
+            _ => (self.config.budget, top_k_for(self.config.budget, vocab, None)),
+        };
+        let (mut ids, mut logp, mut roots, mut lens) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for &i in drafted {
+            let a = &self.active[i];
+            let p = self.proposer.propose(&a.history, depth, k, vocab)?;
+            if p.ids.len() != depth * k || p.logp.len() != depth * k {
+                return Err(Error::shape("proposal", format!("[{depth}, {k}]"), depth * k, p.ids.len()));
+            }
+            if let Some(&t) = p.ids.iter().find(|&&t| t < 0 || t as usize >= vocab) {
+                return Err(Error::param("proposal", t, format!("token ids must be in 0..{vocab}")));
+            }
+            ids.extend(p.ids);
+            logp.extend(p.logp);
+            roots.push(*a.history.last().expect("a request has tokens") as i32);
+            lens.push((a.history.len() - 1) as i32);
+        }
+        let shape = TreeShape::new(drafted.len(), depth, budget)?;
+        build_trees(shape, k, &ids, &logp, &roots, &lens)
+    }
+
+    /// Greedy acceptance of each tree against the target's argmax of its rows, then the cache commit.
+    fn accept(
+        &mut self,
+        drafted: &[usize],
+        tree: &DraftTree,
+        argmax: &[u32],
+        n_rows: usize,
+    ) -> Result<Vec<(usize, Vec<u32>)>> {
+        let argmax: Vec<i32> = argmax.iter().map(|&t| t as i32).collect();
+        let acc = accept_from_argmax(tree, &argmax)?;
+        let width = acc.depth + 1;
+        let paths: Vec<Vec<usize>> = (0..drafted.len())
+            .map(|b| {
+                let a = acc.accept_len[b] as usize;
+                acc.accept_rows[b * width..b * width + a + 1].iter().map(|&r| r as usize).collect()
+            })
+            .collect();
+        let commits: Vec<TreeCommit> =
+            drafted.iter().zip(&paths).map(|(&i, rows)| TreeCommit { seq: self.active[i].seq, rows }).collect();
+        self.cache.commit_trees(self.model.backend(), &commits, n_rows)?;
+        let mut emitted = Vec::with_capacity(drafted.len());
+        for (b, &i) in drafted.iter().enumerate() {
+            let a = acc.accept_len[b] as usize;
+            self.stats.drafts += 1;
+            self.stats.draft_tokens += tree.num_nodes[b] as u64;
+            self.stats.accepted += a as u64;
+            for d in 0..a {
+                self.stats.accepted_by_depth[d] += 1;
+            }
+            emitted.push((i, acc.emitted[b * width..b * width + a + 1].iter().map(|&t| t as u32).collect()));
+        }
+        Ok(emitted)
+    }
+
+    /// Applies stop tokens and max_tokens to the emitted tokens, extends the histories, and removes the
+    /// requests that ended.
+    fn finish(&mut self, emitted: Vec<(usize, Vec<u32>)>) -> Result<Vec<StepOutput>> {
+        let mut out = Vec::with_capacity(emitted.len());
+        let mut ended = Vec::new();
+        for (i, tokens) in emitted {
+            let a = &mut self.active[i];
+            a.history.extend(&tokens);
+            let mut kept = tokens;
+            let mut finished = None;
+            if let Some(p) = kept.iter().position(|t| a.params.stop_tokens.contains(t)) {
+                kept.truncate(p);
+                finished = Some(FinishReason::Stop);
+            }
+            let left = a.params.max_tokens - a.generated;
+            if kept.len() >= left {
+                kept.truncate(left);
+                finished = finished.or(Some(FinishReason::Length));
+            }
+            a.generated += kept.len();
+            self.stats.tokens += kept.len() as u64;
+            if finished.is_some() {
+                ended.push(i);
+            }
+            out.push(StepOutput { id: a.id, tokens: kept, finished });
+        }
+        ended.sort_unstable();
+        for i in ended.into_iter().rev() {
+            let a = self.active.remove(i);
+            self.cache.remove_sequence(a.seq)?;
+        }
+        Ok(out)
+    }
+}
+
+/// A batch of trees as the model step takes them: per row its token, depth and visibility words.
+#[derive(Default)]
+struct TreeRows {
+    tokens: Vec<u32>,
+    depth: Vec<u32>,
+    visibility: Vec<u32>,
+    words: usize,
+}
+
+impl TreeRows {
+    /// The rows of `tree`. A padding row (past a tree's nodes) becomes a child of the root that nothing
+    /// accepts, so that every row attends to something.
+    fn of(tree: &DraftTree) -> TreeRows {
+        let (n, words) = (tree.shape.rows(), tree.shape.words());
+        let mut rows = TreeRows { words, ..TreeRows::default() };
+        for b in 0..tree.shape.bs {
+            let base = b * n;
+            for i in 0..n {
+                let valid = i <= tree.num_nodes[b] as usize;
+                let token = if valid { tree.node_token[base + i] } else { tree.node_token[base] };
+                rows.tokens.push(token as u32);
+                rows.depth.push(if valid { tree.node_depth[base + i] as u32 } else { 1 });
+                let bits = &tree.visibility[(base + i) * words..(base + i + 1) * words];
+                if valid {
+                    rows.visibility.extend_from_slice(bits);
+                } else {
+                    let mut own = vec![0u32; words];
+                    own[0] |= 1;
+                    own[i / 32] |= 1 << (i % 32);
+                    rows.visibility.extend(own);
+                }
+            }
+        }
+        rows
+    }
+}
+
+fn last(history: &[u32]) -> &[u32] {
+    &history[history.len() - 1..]
+}
+
+fn unknown(id: RequestId) -> Error {
+    Error::Index { name: "request", detail: format!("no request {id} in flight") }
+}
