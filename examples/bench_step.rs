@@ -7,8 +7,10 @@
 //! steps of N rows (a heap-shaped tree: node i's parent is (i - 1) / 2); each timed as the mean of
 //! `--steps` steps replayed from recorded graphs (input copies and the argmax read-back included), and
 //! once op by op with CUDA events for the per-stage table ([`Model::profile_step`]). Prints the table,
-//! each step's share per stage, the 61-layer projection and the verify-to-decode ratio, and writes
-//! CSV with `--out`.
+//! each step's share per stage, the 61-layer projections and the verify-to-decode ratio, and writes
+//! CSV with `--out`. The projections come from the profiled (op by op) stage times, which include the
+//! gaps of launching op by op: the 1-GPU one as measured, the 8-GPU one (meaningful with `--heads 8`)
+//! with the routed and shared experts, the dense MLP and lm_head divided by eight and no communication.
 //!
 //! ```text
 //! cargo run --release --features cuda --example bench_step -- --gpu --heads 64
@@ -220,7 +222,7 @@ fn report(args: &Args, backend: &str, c: &Config, rows: &[Row]) -> Result<()> {
         Stage::LmHead,
     ];
     let mut csv = vec![format!(
-        "backend,heads,layers,kind,batch,rows,step_ms,profiled_ms,{},dense_layer_ms,moe_layer_ms,outside_ms,projected_61_ms",
+        "backend,heads,layers,kind,batch,rows,step_ms,profiled_ms,{},dense_layer_ms,moe_layer_ms,outside_ms,projected_61_ms,projected_61_8gpu_ms",
         ORDER.map(|s| format!("{s:?}_ms").to_lowercase()).join(",")
     )];
     println!(
@@ -231,21 +233,25 @@ fn report(args: &Args, backend: &str, c: &Config, rows: &[Row]) -> Result<()> {
         args.prefix
     );
     println!(
-        "| step | graph step | profiled | {} | dense layer | MoE layer | 61-layer projection |",
+        "| step | graph step | profiled | {} | dense layer | MoE layer | 61-layer projection | 8-GPU projection |",
         ORDER.map(|s| format!("{s:?}")).join(" | ")
     );
-    println!("|---|---|---|{}---|---|---|", "---|".repeat(ORDER.len()));
+    println!("|---|---|---|{}---|---|---|---|", "---|".repeat(ORDER.len()));
     for r in rows {
         let mut by_stage: BTreeMap<Stage, Duration> = BTreeMap::new();
         let (mut dense, mut moe, mut outside) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+        // The share of each part that eight GPUs split (experts, MLPs, lm_head), counted once more here.
+        let (mut dense_split, mut moe_split, mut outside_split) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         let moe_layers = (0..c.num_hidden_layers).filter(|&l| c.is_moe_layer(l)).count();
         for t in &r.stages {
             *by_stage.entry(t.stage).or_default() += t.time;
+            let split = matches!(t.stage, Stage::Moe | Stage::SharedExpert | Stage::DenseMlp | Stage::LmHead);
+            let split_time = if split { t.time } else { Duration::ZERO };
             match t.layer {
-                Some(l) if c.is_moe_layer(l) => moe += t.time,
-                Some(_) => dense += t.time,
-                None => outside += t.time,
-            }
+                Some(l) if c.is_moe_layer(l) => (moe += t.time, moe_split += split_time),
+                Some(_) => (dense += t.time, dense_split += split_time),
+                None => (outside += t.time, outside_split += split_time),
+            };
         }
         let profiled: Duration = by_stage.values().sum();
         let moe_layer = if moe_layers > 0 { moe / moe_layers as u32 } else { Duration::ZERO };
@@ -253,6 +259,18 @@ fn report(args: &Args, backend: &str, c: &Config, rows: &[Row]) -> Result<()> {
         let dense_layer = if dense_layers > 0 { dense / dense_layers as u32 } else { Duration::ZERO };
         // Kimi-K2: 61 layers, the first dense; embedding, final norm and lm_head once.
         let projected = dense_layer + moe_layer * 60 + outside;
+        // Eight GPUs, each with this run's heads (--heads 8: one GPU's share of the attention), and the
+        // experts, shared expert, dense MLP and lm_head split eight ways with no communication counted.
+        let per_layer = |total: Duration, split: Duration, layers: usize| {
+            if layers == 0 {
+                Duration::ZERO
+            } else {
+                (total - split + split / 8) / layers as u32
+            }
+        };
+        let projected_8 = per_layer(dense, dense_split, dense_layers)
+            + per_layer(moe, moe_split, moe_layers) * 60
+            + (outside - outside_split + outside_split / 8);
         let cells: Vec<String> =
             ORDER.iter().map(|s| format!("{:.3}", ms(by_stage.get(s).copied().unwrap_or_default()))).collect();
         let name = if r.kind == "tree" {
@@ -261,16 +279,17 @@ fn report(args: &Args, backend: &str, c: &Config, rows: &[Row]) -> Result<()> {
             format!("decode bs {}", r.batch)
         };
         println!(
-            "| {name} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {:.2} |",
+            "| {name} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {:.2} | {:.2} |",
             ms(r.step),
             ms(profiled),
             cells.join(" | "),
             ms(dense_layer),
             ms(moe_layer),
-            ms(projected)
+            ms(projected),
+            ms(projected_8)
         );
         csv.push(format!(
-            "{backend},{},{},{},{},{},{:.4},{:.4},{},{:.4},{:.4},{:.4},{:.3}",
+            "{backend},{},{},{},{},{},{:.4},{:.4},{},{:.4},{:.4},{:.4},{:.3},{:.3}",
             c.num_attention_heads,
             c.num_hidden_layers,
             r.kind,
@@ -282,7 +301,8 @@ fn report(args: &Args, backend: &str, c: &Config, rows: &[Row]) -> Result<()> {
             ms(dense_layer),
             ms(moe_layer),
             ms(outside),
-            ms(projected)
+            ms(projected),
+            ms(projected_8)
         ));
     }
     for r in rows.iter().filter(|r| r.kind == "tree") {

@@ -6,11 +6,12 @@
 # case next to the test source) are copied to $OUT/proptest-regressions/, so that a case found here can
 # be committed in the repository (this machine has no git).
 # TESTS="gpu-pack/tests/NAME ..." limits the tests step to those binaries.
-# Usage: scripts/gpu-run.sh [tests|engine|kernels|step|sanitize|sanitize:quick|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
+# Usage: scripts/gpu-run.sh [tests|engine|kernels|spec|step|sanitize|sanitize:quick|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
 #        (FILTER: a criterion name filter, e.g. bench:mla:gpu_decode runs only those rows)
 #        step: the Kimi-K2-shaped step table (examples/bench_step, random weights, 64 and 8 heads)
 #        engine: the engine's tok/s table beside transformers' (examples/bench_generate, scripts/hf_generate_bench.py)
 #        kernels: the tiny checkpoint's decode step, each kernel timed alone by ncu, summed
+#        spec: greedy generation in every speculative mode (examples/generate --mode), batch 1 and 8
 #        sanitize: memcheck and racecheck of every test of every binary, SANITIZE_JOBS (default 8)
 #        (tool, binary) jobs at a time, each with --test-threads SANITIZE_THREADS (default 2) and, when
 #        SANITIZE_TIMEOUT (seconds) is set, killed after that long; sanitize:quick only the fixture and
@@ -190,6 +191,20 @@ run_kernel_sum() {
     done
 }
 
+# Greedy generation through the speculative engine (examples/generate, prompt-lookup drafts) on the tiny
+# checkpoint: every mode at batch 1 and 8, 256 tokens; the rate and the acceptance counters of each.
+run_spec() {
+    local batch spec mode budget
+    for batch in 1 8; do
+        for spec in ar:16 chain:16 ddtree:8 ddtree:16 ddtree:32 ddtree:64; do
+            mode=${spec%%:*} budget=${spec#*:}
+            gpu-pack/examples/generate --gpu --mode "$mode" --budget "$budget" --batch $batch --max-tokens 256 \
+                >"$logs/spec-$mode-b$budget-bs$batch.log" 2>&1
+            note "spec $mode B $budget batch $batch: exit $? | $(tail -2 "$logs/spec-$mode-b$budget-bs$batch.log" | tr '\n' ' ' | tail -c 400)"
+        done
+    done
+}
+
 # The model step at Kimi-K2 dimensions with random weights (examples/bench_step.rs), 64 heads and 8 (one GPU's
 # share of eight): step times, per-stage tables, 61-layer projections; CSVs under $OUT.
 run_step_bench() {
@@ -216,6 +231,7 @@ for step in $steps; do
         engine) run_engine ;;
         step) run_step_bench ;;
         kernels) run_kernel_sum ;;
+        spec) run_spec ;;
         sanitize) run_sanitizer '*' ;;
         sanitize:quick) run_sanitizer '*' matches_every_fixture batch_invariant ;;
         sanitize:*) run_sanitizer "${step#sanitize:}" ;;
