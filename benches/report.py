@@ -238,58 +238,6 @@ def moe_table(res, root, group):
     return lines
 
 
-LAYER_PARTS = ("attn", "moe", "shared_expert", "elementwise")
-KIMI_LAYERS, KIMI_DENSE_LAYERS, TREE_ROWS = 61, 1, 65
-
-
-def layer_tables(res):
-    """The Kimi-K2 layer steps, the dense pieces, and the 61-layer projection (see benches/model_layer.rs)."""
-    g = "model_layer"
-    steps = sorted({f for (grp, f, _) in res if grp == g and f.startswith(("decode", "verify"))},
-                   key=lambda f: (f.split("_")[0], params(f)["h"], params(f)["bs"]))
-    lines = ["### model_layer: one Kimi-K2 MoE layer (prefix 4096, 384 INT4 experts, top-8)", "",
-             "| step | H | bs | tokens | attn | moe | shared expert | element-wise (stand-in) | layer | sum of parts |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for f in steps:
-        q = params(f)
-        mode = f.split("_")[0]
-        tokens = q["bs"] * (TREE_ROWS if mode == "verify" else 1)
-        parts = [res.get((g, f, p)) for p in LAYER_PARTS]
-        layer = res.get((g, f, "layer"))
-        total = sum(parts) if all(parts) else None
-        cells = " | ".join(fmt_time(v) if v else "–" for v in parts)
-        lines.append(f"| {mode} | {q['h']} | {q['bs']} | {tokens} | {cells} | {fmt_time(layer) if layer else '–'} | "
-                     f"{fmt_time(total) if total else '–'} |")
-    lines += ["", "| tokens | dense MLP (I 18432) | lm_head (V 163840) |", "|---:|---:|---:|"]
-    for t in sorted({params(p)["t"] for (grp, f, p) in res if grp == g and f in ("dense_mlp", "lm_head")}):
-        d, h = res.get((g, "dense_mlp", f"t{t}")), res.get((g, "lm_head", f"t{t}"))
-        lines.append(f"| {t} | {fmt_time(d) if d else '–'} | {fmt_time(h) if h else '–'} |")
-    lines += ["", "Projection of the 61-layer step (60 MoE layers, 1 dense layer, lm_head) from the rows above:",
-              "1 GPU = 60 x layer(H 64) + (attn + element-wise)(H 64) + dense MLP + lm_head; 8 GPUs = every layer with",
-              "8 heads (attention split by heads), the routed experts' time / 8 (experts spread over 8 GPUs, bandwidth",
-              "bound, perfectly balanced), the shared expert and dense MLP / 8 and the lm_head / 8 (split by rows),",
-              "and no communication (all-to-all and all-reduce are not measured): a lower bound for 8 GPUs.", "",
-              "| step | bs | tokens | 1 GPU (H 64) | 8 GPUs (H 8 per GPU) | 8 GPUs: steps/s | 8 GPUs: tokens/s if every request gains t tokens per step |",
-              "|---|---:|---:|---:|---:|---:|---|"]
-    for mode in ("decode", "verify"):
-        for bs in (1, 8, 32):
-            tokens = bs * (TREE_ROWS if mode == "verify" else 1)
-            one = lambda h, p: res.get((g, f"{mode}_h{h}_bs{bs}", p))
-            need = [one(64, "layer"), one(64, "attn"), one(64, "elementwise"), one(8, "attn"), one(8, "moe"),
-                    one(8, "shared_expert"), one(8, "elementwise"),
-                    res.get((g, "dense_mlp", f"t{tokens}")), res.get((g, "lm_head", f"t{tokens}"))]
-            if not all(need):
-                continue
-            l64, a64, e64, a8, m8, s8, e8, dense, head = need
-            single = (KIMI_LAYERS - KIMI_DENSE_LAYERS) * l64 + KIMI_DENSE_LAYERS * (a64 + e64 + dense) + head
-            moe_layer8 = a8 + e8 + m8 / 8 + s8 / 8
-            multi = (KIMI_LAYERS - KIMI_DENSE_LAYERS) * moe_layer8 + KIMI_DENSE_LAYERS * (a8 + e8 + dense / 8) + head / 8
-            rate = 1e9 / multi
-            gain = f"{rate * bs:.0f} x t" if mode == "verify" else f"{rate * bs:.0f}"
-            lines.append(f"| {mode} | {bs} | {tokens} | {fmt_time(single)} | {fmt_time(multi)} | {rate:.1f} | {gain} |")
-    return lines
-
-
 def render(res, root):
     lines = []
     if any(g == "topk" for (g, _, _) in res):
@@ -308,8 +256,6 @@ def render(res, root):
     for group in ("moe_int4", "moe_int4_tiled"):
         if any(g == group for (g, _, _) in res):
             lines += moe_table(res, root, group) + [""]
-    if any(g == "model_layer" for (g, _, _) in res):
-        lines += layer_tables(res) + [""]
     return "\n".join(lines)
 
 
