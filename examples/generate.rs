@@ -1,10 +1,9 @@
 //! Generation from a checkpoint directory, on the CPU or (with `--features cuda` and `--gpu`) the CUDA
-//! backend. Greedy generation runs through the speculative engine (`kdtree_engine::spec`) in `--mode ar`,
-//! `chain` or `ddtree` (drafts from prompt lookup; `--budget` tree nodes, `--block` size), for `--batch`
-//! copies of the prompt; every mode emits the same tokens. Temperature / top-p sampling with a seed runs
-//! plain decoding. Prints the text as it is generated, then the load time, the time to the first token,
-//! the decode rate and the speculative counters. Bad options or a prompt that does not fit the context
-//! are errors that say so.
+//! backend, through the speculative engine (`kdtree_engine::spec`) in `--mode ar`, `chain` or `ddtree`
+//! (drafts from prompt lookup; `--budget` tree nodes, `--block` size), for `--batch` copies of the
+//! prompt: greedy, or temperature / top-p sampling with a seed; every mode emits the same tokens. Prints
+//! the text as it is generated, then the load time, the time to the first token, the decode rate and the
+//! speculative counters. Bad options or a prompt that does not fit the context are errors that say so.
 //!
 //! ```text
 //! cargo run --release --example generate -- --prompt "The capital of France is"
@@ -23,11 +22,9 @@ use std::time::Instant;
 
 use clap::Parser;
 use kdtree_engine::model::backend::Backend;
-use kdtree_engine::model::{ChatMessage, KvCache, Logits, Model, Tokenizer};
-use kdtree_engine::spec::{Engine, EngineConfig, Mode, NgramProposer, RequestParams};
+use kdtree_engine::model::{ChatMessage, Model, Tokenizer};
+use kdtree_engine::spec::{Engine, EngineConfig, Mode, NgramProposer, RequestParams, Sampling};
 use kdtree_engine::{Error, Result};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with a DeepSeek-V3 / Kimi-K2 checkpoint")]
@@ -56,7 +53,7 @@ struct Args {
     /// Run on the CUDA backend (needs the `cuda` feature and a device).
     #[arg(long)]
     gpu: bool,
-    /// Decoding mode: ar, chain or ddtree (greedy only, for now, in chain and ddtree).
+    /// Decoding mode: ar, chain or ddtree.
     #[arg(long, default_value = "ar")]
     mode: Mode,
     /// Draft tree nodes per step in ddtree mode.
@@ -83,13 +80,6 @@ fn check_args(args: &Args) -> Result<()> {
     }
     if args.batch == 0 {
         return Err(Error::param("--batch", 0, "must be at least 1"));
-    }
-    if args.temperature > 0.0 && (args.mode != Mode::Ar || args.batch > 1) {
-        return Err(Error::param(
-            "--temperature",
-            args.temperature,
-            "sampling runs plain decoding of one prompt: use --mode ar --batch 1, or temperature 0",
-        ));
     }
     Ok(())
 }
@@ -149,20 +139,16 @@ fn show(tokenizer: &Tokenizer, generated: &[u32], shown: &mut usize) -> Result<(
     Ok(())
 }
 
-/// Generates from `model` (loading began at `start`): greedy through the engine, sampling plainly.
+/// Generates from `model` (loading began at `start`).
 fn generate<B: Backend>(args: &Args, model: Model<B>, start: Instant) -> Result<()> {
     let tokenizer = Tokenizer::from_dir(&args.model)?;
     let load = start.elapsed();
     let (text, prompt) = encode_prompt(args, &tokenizer, model.config().max_position_embeddings)?;
-    if args.temperature == 0.0 {
-        return generate_greedy(args, &model, &tokenizer, (&text, &prompt), load);
-    }
-    print!("{text}");
-    generate_sampled(args, &model, &tokenizer, &prompt, load)
+    generate_with_engine(args, &model, &tokenizer, (&text, &prompt), load)
 }
 
 /// `--batch` copies of the prompt through the speculative engine; prints the first one's text.
-fn generate_greedy<B: Backend>(
+fn generate_with_engine<B: Backend>(
     args: &Args,
     model: &Model<B>,
     tokenizer: &Tokenizer,
@@ -181,12 +167,17 @@ fn generate_greedy<B: Backend>(
     };
     let mut engine = Engine::new(model, NgramProposer::default(), config)?;
     print!("{text}");
-    let stop_tokens = tokenizer.eos_token_id().into_iter().collect::<Vec<_>>();
-    let ids: Vec<_> = (0..args.batch)
-        .map(|_| {
-            engine.add_request(prompt, RequestParams { max_tokens: args.max_tokens, stop_tokens: stop_tokens.clone() })
-        })
-        .collect::<Result<_>>()?;
+    let params = RequestParams {
+        max_tokens: args.max_tokens,
+        stop_tokens: tokenizer.eos_token_id().into_iter().collect(),
+        sampling: (args.temperature > 0.0).then_some(Sampling {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            top_k: 0,
+            seed: args.seed,
+        }),
+    };
+    let ids: Vec<_> = (0..args.batch).map(|_| engine.add_request(prompt, params.clone())).collect::<Result<_>>()?;
     let begin = Instant::now();
     let (mut generated, mut shown, mut first_token) = (Vec::new(), 0, None);
     while engine.pending() > 0 {
@@ -223,70 +214,4 @@ fn generate_greedy<B: Backend>(
         by_depth.join(", ")
     );
     Ok(())
-}
-
-/// One prompt, sampled token by token.
-fn generate_sampled<B: Backend>(
-    args: &Args,
-    model: &Model<B>,
-    tokenizer: &Tokenizer,
-    prompt: &[u32],
-    load: std::time::Duration,
-) -> Result<()> {
-    let len = prompt.len() + args.max_tokens;
-    let mut cache = model.new_cache(len.div_ceil(64) + 1, 64, len)?;
-    let seq = cache.add_sequence();
-    let mut rng = StdRng::seed_from_u64(args.seed);
-    let mut step = |cache: &mut KvCache<B>, tokens: &[u32]| -> Result<u32> {
-        let logits = model.forward(cache, &[(seq, tokens)], Logits::Last)?;
-        Ok(pick(&logits, args.temperature, args.top_p, &mut rng))
-    };
-    let begin = Instant::now();
-    let mut next = step(&mut cache, prompt)?;
-    let first_token = begin.elapsed();
-    let mut generated: Vec<u32> = Vec::new();
-    let mut shown = 0;
-    loop {
-        generated.push(next);
-        show(tokenizer, &generated, &mut shown)?;
-        if generated.len() == args.max_tokens || Some(next) == tokenizer.eos_token_id() {
-            break;
-        }
-        next = step(&mut cache, &[next])?;
-    }
-    let decode = begin.elapsed() - first_token;
-    println!();
-    eprintln!(
-        "{}: load {load:.2?}; prompt {} tokens, first token after {first_token:.2?}; {} more tokens in \
-         {decode:.2?} ({:.1} tok/s)",
-        model.backend().name(),
-        prompt.len(),
-        generated.len() - 1,
-        (generated.len() - 1) as f64 / decode.as_secs_f64()
-    );
-    Ok(())
-}
-
-/// A sample from the top-p nucleus of `softmax(logits / temperature)`, temperature > 0.
-fn pick(logits: &[f32], temperature: f32, top_p: f32, rng: &mut StdRng) -> u32 {
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    // Largest first; the stable sort keeps the smaller id first among ties.
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-    let max = logits[order[0]];
-    let weights: Vec<f64> = order.iter().map(|&i| (((logits[i] - max) / temperature) as f64).exp()).collect();
-    let total: f64 = weights.iter().sum();
-    let mut kept = 0.0;
-    let mut nucleus = 0;
-    while nucleus < order.len() && kept < top_p as f64 * total {
-        kept += weights[nucleus];
-        nucleus += 1;
-    }
-    let mut r = rng.random::<f64>() * kept;
-    for (i, w) in weights[..nucleus].iter().enumerate() {
-        if r < *w {
-            return order[i] as u32;
-        }
-        r -= w;
-    }
-    order[nucleus - 1] as u32
 }

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use kdtree_engine::model::backend::Backend;
 use kdtree_engine::model::{Logits, Model, StepRequest, TreeCommit, TreeInput};
-use kdtree_engine::spec::{Engine, EngineConfig, FinishReason, Mode, NgramProposer, RequestParams};
+use kdtree_engine::spec::{Engine, EngineConfig, FinishReason, Mode, NgramProposer, RequestParams, Sampling};
 
 fn tiny_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny_model")
@@ -50,7 +50,51 @@ fn config(mode: Mode, budget: usize, block: usize) -> EngineConfig {
 }
 
 fn params(max_tokens: usize) -> RequestParams {
-    RequestParams { max_tokens, stop_tokens: Vec::new() }
+    RequestParams { max_tokens, stop_tokens: Vec::new(), sampling: None }
+}
+
+/// Plain sampling: one token at a time through the model's logits, each chosen at its position.
+fn sampled<B: Backend>(model: &Model<B>, prompt: &[u32], n: usize, s: &Sampling) -> Vec<u32> {
+    let mut cache = model.new_cache(64, 16, 256).unwrap();
+    let seq = cache.add_sequence();
+    let mut logits = model.forward(&mut cache, &[(seq, prompt)], Logits::Last).unwrap();
+    let mut out = Vec::new();
+    while out.len() < n {
+        let next = s.choose(&logits, prompt.len() + out.len());
+        out.push(next);
+        logits = model.forward(&mut cache, &[(seq, &[next])], Logits::Last).unwrap();
+    }
+    out
+}
+
+fn sampling(seed: u64) -> Sampling {
+    Sampling { temperature: 0.8, top_p: 0.95, top_k: 0, seed }
+}
+
+/// With sampling, every mode emits plain sampling's tokens (the same seeds), alone and in a batch where
+/// greedy and sampling requests share the steps.
+fn check_sampled_modes_equal_plain_sampling<B: Backend>(model: &Model<B>, label: &str) {
+    let requests: Vec<(&[u32], usize, Option<Sampling>)> =
+        PROMPTS.iter().enumerate().map(|(i, &(p, n))| (p, n, (i != 1).then(|| sampling(11 + i as u64)))).collect();
+    let want: Vec<Vec<u32>> =
+        requests.iter().map(|&(p, n, s)| s.map_or_else(|| greedy(model, p, n), |s| sampled(model, p, n, &s))).collect();
+    for (mode, budget) in [(Mode::Ar, 1), (Mode::Chain, 1), (Mode::DdTree, 16)] {
+        let cfg = config(mode, budget, 16);
+        let run = |reqs: &[(&[u32], usize, Option<Sampling>)]| {
+            let mut engine = Engine::new(model, NgramProposer::default(), cfg).unwrap();
+            for &(p, n, sampling) in reqs {
+                engine.add_request(p, RequestParams { max_tokens: n, stop_tokens: Vec::new(), sampling }).unwrap();
+            }
+            let out: Vec<Vec<u32>> = engine.run_to_end().unwrap().into_iter().map(|(_, t)| t).collect();
+            (out, engine.stats().mean_accepted_length())
+        };
+        let (batched, accepted) = run(&requests);
+        println!("{label} sampled {mode:?} B {budget}: batch of 4, mean accepted length {accepted:.2}");
+        assert_eq!(batched, want, "{label} sampled {mode:?} B {budget}: the batch differs from plain sampling");
+        for (i, r) in requests.iter().enumerate() {
+            assert_eq!(run(std::slice::from_ref(r)).0[0], want[i], "{label} sampled {mode:?} B {budget}: prompt {i}");
+        }
+    }
 }
 
 /// Runs `prompts` through one engine, all added before the first step.
@@ -147,6 +191,103 @@ fn modes_emit_greedy_tokens_alone_and_in_batches() {
 }
 
 #[test]
+fn sampled_modes_emit_plain_sampling_tokens_alone_and_in_batches() {
+    check_sampled_modes_equal_plain_sampling(&Model::load(tiny_dir()).unwrap(), "cpu");
+}
+
+/// Probabilities of the `top_k` most likely tokens of `softmax(logits / t)`, renormalized (f64).
+fn top_k_probs(logits: &[f32], t: f64, top_k: usize) -> Vec<(u32, f64)> {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    order.truncate(top_k);
+    let max = logits[order[0]] as f64;
+    let w: Vec<f64> = order.iter().map(|&i| ((logits[i] as f64 - max) / t).exp()).collect();
+    let total: f64 = w.iter().sum();
+    order.iter().zip(w).map(|(&i, w)| (i as u32, w / total)).collect()
+}
+
+/// Pearson's statistic of `counts` against `probs` (bins expecting fewer than 5 merged into one), and the
+/// critical value at significance 0.001 (Wilson-Hilferty's approximation of the chi-square quantile).
+fn chi_square_pairs<T: PartialEq + Copy>(counts: &[(T, usize)], probs: &[(T, f64)]) -> (f64, f64) {
+    let n: usize = counts.iter().map(|c| c.1).sum();
+    let observed = |t: T| counts.iter().find(|c| c.0 == t).map_or(0, |c| c.1) as f64;
+    let (mut stat, mut bins, mut rest_o, mut rest_e) = (0.0, 0usize, 0.0, 0.0);
+    for &(t, p) in probs {
+        let e = p * n as f64;
+        if e >= 5.0 {
+            stat += (observed(t) - e).powi(2) / e;
+            bins += 1;
+        } else {
+            (rest_o, rest_e) = (rest_o + observed(t), rest_e + e);
+        }
+    }
+    let outside: f64 = counts.iter().filter(|c| !probs.iter().any(|p| p.0 == c.0)).map(|c| c.1 as f64).sum();
+    if rest_e > 0.0 {
+        stat += (rest_o + outside - rest_e).powi(2) / rest_e;
+        bins += 1;
+    } else if outside > 0.0 {
+        stat = f64::INFINITY;
+    }
+    let df = (bins - 1) as f64;
+    let z = 3.090; // the 0.999 quantile of the standard normal
+    let critical = df * (1.0 - 2.0 / (9.0 * df) + z * (2.0 / (9.0 * df)).sqrt()).powi(3);
+    (stat, critical)
+}
+
+/// Counts of each value.
+fn histogram<T: PartialEq + Copy>(values: impl Iterator<Item = T>) -> Vec<(T, usize)> {
+    let mut counts: Vec<(T, usize)> = Vec::new();
+    for v in values {
+        match counts.iter_mut().find(|c| c.0 == v) {
+            Some(c) => c.1 += 1,
+            None => counts.push((v, 1)),
+        }
+    }
+    counts
+}
+
+/// The target's distribution of the first two tokens after `prompt` with top-k `k` at temperature `t`:
+/// p(a) p(b | a), each from the model's logits.
+fn pair_probs<B: Backend>(model: &Model<B>, prompt: &[u32], t: f64, k: usize) -> Vec<((u32, u32), f64)> {
+    let first = top_k_probs(&logits_after_chunks(model, prompt, &[]), t, k);
+    let mut pairs = Vec::new();
+    for (a, pa) in first {
+        for (b, pb) in top_k_probs(&logits_after_chunks(model, prompt, &[&[a]]), t, k) {
+            pairs.push(((a, b), pa * pb));
+        }
+    }
+    pairs
+}
+
+/// Sampling through trees follows the target's distribution: over 1500 seeds of one prompt (the first
+/// token from the prefill, the second chosen by a ddtree verify step), the counts of the first two
+/// tokens pass a chi-square test at significance 0.001 against the target's top-k distribution of the
+/// pair, and fail it against the distribution at twice the temperature.
+#[test]
+fn sampling_through_a_tree_follows_the_target_distribution() {
+    let model = Model::load(tiny_dir()).unwrap();
+    let prompt: &[u32] = &[100, 7, 14, 21, 28];
+    // The tiny random model's logits are close together; a low temperature spreads its probabilities.
+    let (temperature, k, seeds) = (0.1, 4, 1500);
+    let mut cfg = config(Mode::DdTree, 8, 4);
+    cfg.num_pages = seeds;
+    let mut engine = Engine::new(&model, NgramProposer::default(), cfg).unwrap();
+    for seed in 0..seeds as u64 {
+        let sampling = Some(Sampling { temperature, top_p: 1.0, top_k: k, seed });
+        engine.add_request(prompt, RequestParams { max_tokens: 2, stop_tokens: Vec::new(), sampling }).unwrap();
+    }
+    let out = engine.run_to_end().unwrap();
+    assert_eq!(engine.stats().drafts, seeds as u64, "every second token must come from a verify step");
+    let counts = histogram(out.iter().map(|(_, t)| (t[0], t[1])));
+    let (stat, critical) = chi_square_pairs(&counts, &pair_probs(&model, prompt, temperature as f64, k));
+    println!("first two tokens over {seeds} seeds: chi-square {stat:.2}, critical {critical:.2}");
+    assert!(stat < critical, "chi-square {stat:.2} >= {critical:.2}: the samples do not follow the target");
+    let (wrong, wrong_critical) = chi_square_pairs(&counts, &pair_probs(&model, prompt, 2.0 * temperature as f64, k));
+    println!("against twice the temperature: chi-square {wrong:.2}, critical {wrong_critical:.2}");
+    assert!(wrong > wrong_critical, "the test cannot tell temperature {} from {temperature}", 2.0 * temperature);
+}
+
+#[test]
 fn commit_moves_the_accepted_rows() {
     check_commit_moves_the_accepted_rows(&Model::load(tiny_dir()).unwrap());
 }
@@ -159,7 +300,8 @@ fn stop_tokens_and_max_tokens_end_requests() {
     let stop = want[5];
     let first_stop = want.iter().position(|&t| t == stop).unwrap();
     let mut engine = Engine::new(&model, NgramProposer::default(), config(Mode::DdTree, 16, 8)).unwrap();
-    let id = engine.add_request(prompt, RequestParams { max_tokens: 12, stop_tokens: vec![stop] }).unwrap();
+    let id =
+        engine.add_request(prompt, RequestParams { max_tokens: 12, stop_tokens: vec![stop], sampling: None }).unwrap();
     let (mut tokens, mut reason) = (Vec::new(), None);
     while engine.pending() > 0 {
         for o in engine.step().unwrap() {
@@ -217,6 +359,14 @@ mod cuda {
             model.set_graphs(graphs);
             check_modes_equal_ar(&model, if graphs { "cuda, graphs on" } else { "cuda, graphs off" });
         }
+    }
+
+    #[test]
+    fn cuda_sampled_modes_emit_plain_sampling_tokens_alone_and_in_batches() {
+        if common::gpu().is_none() {
+            return;
+        }
+        check_sampled_modes_equal_plain_sampling(&cuda_model(), "cuda");
     }
 
     #[test]

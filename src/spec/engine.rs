@@ -10,6 +10,7 @@ use crate::types::{top_k_for, DraftTree, TreeShape};
 use crate::{MAX_BUDGET, MAX_DEPTH};
 
 use super::proposer::Proposer;
+use super::sampling::Sampling;
 
 /// How the engine decodes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -90,12 +91,14 @@ impl EngineConfig {
 }
 
 /// What a request asks for.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct RequestParams {
     /// Tokens to generate at most (at least 1).
     pub max_tokens: usize,
     /// Tokens that end the request; the stop token itself is not emitted.
     pub stop_tokens: Vec<u32>,
+    /// Sampling settings; `None` is greedy.
+    pub sampling: Option<Sampling>,
 }
 
 /// A request's handle.
@@ -200,6 +203,9 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
         if params.max_tokens == 0 {
             return Err(Error::param("max_tokens", 0, "must be at least 1"));
         }
+        if let Some(s) = &params.sampling {
+            s.validate(vocab)?;
+        }
         let room = self.cache.max_seq_len();
         if prompt.len() + params.max_tokens > room {
             return Err(Error::param(
@@ -255,7 +261,8 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
             .iter()
             .map(|&i| StepRequest { seq: self.active[i].seq, tokens: &self.active[i].history, tree: None })
             .collect();
-        let first = self.model.step_argmax(&mut self.cache, &requests, Logits::Last)?;
+        let rows: Vec<(usize, usize)> = fresh.iter().map(|&i| (i, self.active[i].history.len())).collect();
+        let first = choose(self.model, &mut self.cache, &self.active, &requests, Logits::Last, &rows)?;
         self.stats.prefill_steps += 1;
         for &i in fresh {
             self.active[i].prefilled = true;
@@ -290,7 +297,14 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
                 TreeInput { depth: &rows.depth[r.clone()], visibility: &rows.visibility[r.start * w..r.end * w] };
             requests.push(StepRequest { seq: self.active[i].seq, tokens: &rows.tokens[r], tree: Some(tree) });
         }
-        let argmax = self.model.step_argmax(&mut self.cache, &requests, Logits::All)?;
+        // The position each row predicts: a decode row's is the sequence's length, a tree row's that plus
+        // its depth.
+        let mut meta: Vec<(usize, usize)> = plain.iter().map(|&i| (i, self.active[i].history.len())).collect();
+        for (j, &i) in drafted.iter().enumerate() {
+            let len = self.active[i].history.len();
+            meta.extend(rows.depth[j * n_rows..(j + 1) * n_rows].iter().map(|&d| (i, len + d as usize)));
+        }
+        let argmax = choose(self.model, &mut self.cache, &self.active, &requests, Logits::All, &meta)?;
         self.stats.steps += 1;
         let mut emitted: Vec<(usize, Vec<u32>)> = plain.iter().zip(&argmax).map(|(&i, &t)| (i, vec![t])).collect();
         if let Some(tree) = &trees {
@@ -393,6 +407,36 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
         }
         Ok(out)
     }
+}
+
+/// Runs a step and picks each returned row's token: the argmax of a greedy request's row (on the
+/// backend when no request in the step samples), a sample of a sampling request's row at the position
+/// `rows[r].1` predicts. `rows[r].0` is the row's request (an index into `active`).
+fn choose<B: Backend>(
+    model: &Model<B>,
+    cache: &mut KvCache<B>,
+    active: &[Active],
+    requests: &[StepRequest],
+    which: Logits,
+    rows: &[(usize, usize)],
+) -> Result<Vec<u32>> {
+    if rows.iter().all(|&(i, _)| active[i].params.sampling.is_none()) {
+        return model.step_argmax(cache, requests, which);
+    }
+    let vocab = model.config().vocab_size;
+    let logits = model.step(cache, requests, which)?;
+    let mut out = Vec::with_capacity(rows.len());
+    for (row, &(i, position)) in logits.chunks(vocab).zip(rows) {
+        out.push(match &active[i].params.sampling {
+            Some(s) => s.choose(row, position),
+            None => {
+                let mut best = [0i32];
+                crate::cpu::rowops::argmax(row, vocab, &mut best)?;
+                best[0] as u32
+            }
+        });
+    }
+    Ok(out)
 }
 
 /// A batch of trees as the model step takes them: per row its token, depth and visibility words.

@@ -9,6 +9,8 @@
 
 mod engine;
 mod proposer;
+mod sampling;
 
 pub use engine::{Engine, EngineConfig, FinishReason, Mode, RequestId, RequestParams, SpecStats, StepOutput};
 pub use proposer::{NgramProposer, Proposal, Proposer};
+pub use sampling::{sample, uniform, Sampling};
