@@ -246,8 +246,7 @@ impl Backend for CpuBackend {
 
     fn kv_compact(&self, caches: &mut [Vec<bf16>], layout: KvLayout, m: &Compaction) -> Result<()> {
         for cache in caches {
-            let (rows, table) = (&m.accept_rows, &m.block_tables);
-            kv_compact(cache, &layout, table, &m.seq_len, &m.accept_len, rows, m.depth, m.n_rows)?;
+            kv_compact(cache, &layout, &m.block_tables, &m.seq_len, &m.accept_len, &m.accept_rows, m.depth, m.n_rows)?;
         }
         Ok(())
     }

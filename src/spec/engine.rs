@@ -7,10 +7,14 @@ use crate::error::{Error, Result};
 use crate::model::backend::Backend;
 use crate::model::{KvCache, Logits, Model, StepRequest, TreeCommit, TreeInput};
 use crate::types::{top_k_for, DraftTree, TreeShape};
-use crate::{MAX_BUDGET, MAX_DEPTH};
+use crate::MAX_DEPTH;
 
 use super::proposer::Proposer;
 use super::sampling::Sampling;
+
+/// Largest tree budget the engine takes: the range it is tested and measured in (DDTree's B 8-64; the
+/// tree kernels themselves take more).
+const MAX_ENGINE_BUDGET: usize = 64;
 
 /// How the engine decodes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,11 +69,11 @@ impl EngineConfig {
         if self.block < 2 || self.block > MAX_DEPTH + 1 {
             return Err(Error::param("block", self.block, format!("block size must be in 2..={}", MAX_DEPTH + 1)));
         }
-        if self.mode == Mode::DdTree && (self.budget == 0 || self.budget > MAX_BUDGET.min(64)) {
+        if self.mode == Mode::DdTree && (self.budget == 0 || self.budget > MAX_ENGINE_BUDGET) {
             return Err(Error::param(
                 "budget",
                 self.budget,
-                format!("tree budget must be in 1..={}", MAX_BUDGET.min(64)),
+                format!("tree budget must be in 1..={}", MAX_ENGINE_BUDGET),
             ));
         }
         Ok(())
