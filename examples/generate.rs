@@ -1,13 +1,14 @@
 //! Generation from a checkpoint directory, on the CPU or (with `--features cuda` and `--gpu`) the CUDA
-//! backend, through the speculative engine (`kdtree_engine::spec`) in `--mode ar`, `chain` or `ddtree`
-//! (drafts from prompt lookup; `--budget` tree nodes, `--block` size), for `--batch` copies of the
-//! prompt: greedy, or temperature / top-p sampling with a seed; every mode emits the same tokens. Prints
+//! backend, through the speculative engine (`kdtree_engine::spec`) in `--mode ar`, `chain`, `ddtree` or
+//! `auto` (drafts from prompt lookup, or from a DFlash drafter with `--drafter`; `--budget` tree nodes,
+//! `--block` size), for `--batch` copies of the prompt: greedy, or temperature / top-p sampling with a seed; every mode emits the same tokens. Prints
 //! the text as it is generated, then the load time, the time to the first token, the decode rate and the
 //! speculative counters. Bad options or a prompt that does not fit the context are errors that say so.
 //!
 //! ```text
 //! cargo run --release --example generate -- --prompt "The capital of France is"
 //! cargo run --release --example generate -- --mode ddtree --budget 32 --batch 4
+//! cargo run --release --example generate -- --mode auto --drafter fixtures/tiny_model/drafter
 //! cargo run --release --example generate -- --chat --prompt "Hi!" --temperature 0.8 --top-p 0.9 --seed 7
 //! cargo run --release --features cuda --example generate -- --gpu --prompt "The capital of France is"
 //! ```
@@ -22,8 +23,10 @@ use std::time::Instant;
 
 use clap::Parser;
 use kdtree_engine::model::backend::Backend;
-use kdtree_engine::model::{ChatMessage, Model, Tokenizer};
-use kdtree_engine::spec::{Engine, EngineConfig, Mode, NgramProposer, RequestParams, Sampling};
+use kdtree_engine::model::{ChatMessage, Drafter, Model, Tokenizer};
+use kdtree_engine::spec::{
+    DflashProposer, Engine, EngineConfig, Mode, NgramProposer, Proposer, RequestParams, Sampling,
+};
 use kdtree_engine::{Error, Result};
 
 #[derive(Parser, Debug)]
@@ -53,15 +56,18 @@ struct Args {
     /// Run on the CUDA backend (needs the `cuda` feature and a device).
     #[arg(long)]
     gpu: bool,
-    /// Decoding mode: ar, chain or ddtree.
+    /// Decoding mode: ar, chain, ddtree or auto.
     #[arg(long, default_value = "ar")]
     mode: Mode,
-    /// Draft tree nodes per step in ddtree mode.
+    /// Draft tree nodes per step in ddtree mode (the most auto may choose).
     #[arg(long, default_value_t = 16)]
     budget: usize,
-    /// Block size: the bonus token and block - 1 draft positions.
-    #[arg(long, default_value_t = 16)]
-    block: usize,
+    /// Block size: the bonus token and block - 1 draft positions (default: the drafter's, else 16).
+    #[arg(long)]
+    block: Option<usize>,
+    /// A DFlash drafter checkpoint directory; without one, drafts come from prompt lookup.
+    #[arg(long)]
+    drafter: Option<PathBuf>,
     /// Copies of the prompt decoded together (the first one's text is printed).
     #[arg(long, default_value_t = 1)]
     batch: usize,
@@ -147,25 +153,41 @@ fn generate<B: Backend>(args: &Args, model: Model<B>, start: Instant) -> Result<
     generate_with_engine(args, &model, &tokenizer, (&text, &prompt), load)
 }
 
-/// `--batch` copies of the prompt through the speculative engine; prints the first one's text.
+/// `--batch` copies of the prompt through the speculative engine with the proposer the options ask for.
 fn generate_with_engine<B: Backend>(
     args: &Args,
     model: &Model<B>,
     tokenizer: &Tokenizer,
-    (text, prompt): (&str, &[u32]),
+    prompt: (&str, &[u32]),
     load: std::time::Duration,
 ) -> Result<()> {
-    let len = prompt.len() + args.max_tokens + args.budget.max(args.block) + 1;
+    let drafter = args.drafter.as_ref().map(|dir| Drafter::load(dir, model)).transpose()?;
+    let block = args.block.or(drafter.as_ref().map(|d| d.dflash().block_size)).unwrap_or(16);
+    let len = prompt.1.len() + args.max_tokens + args.budget.max(block) + 1;
     let page_size = 16;
     let config = EngineConfig {
         mode: args.mode,
         budget: args.budget,
-        block: args.block,
+        block,
         num_pages: args.batch * len.div_ceil(page_size),
         page_size,
         max_seq_len: len,
     };
-    let mut engine = Engine::new(model, NgramProposer::default(), config)?;
+    match &drafter {
+        Some(d) => drive(args, Engine::new(model, DflashProposer::new(d, &config)?, config)?, tokenizer, prompt, load),
+        None => drive(args, Engine::new(model, NgramProposer::default(), config)?, tokenizer, prompt, load),
+    }
+}
+
+/// Runs the requests to the end; prints the first one's text as it comes, then the rates and counters.
+fn drive<B: Backend, P: Proposer>(
+    args: &Args,
+    mut engine: Engine<B, P>,
+    tokenizer: &Tokenizer,
+    (text, prompt): (&str, &[u32]),
+    load: std::time::Duration,
+) -> Result<()> {
+    let model = engine.model();
     print!("{text}");
     let params = RequestParams {
         max_tokens: args.max_tokens,
@@ -213,5 +235,7 @@ fn generate_with_engine<B: Backend>(
         stats.draft_tokens,
         by_depth.join(", ")
     );
+    let budgets: Vec<String> = stats.steps_by_budget.iter().map(|(b, n)| format!("B {b}: {n}")).collect();
+    eprintln!("steps by tree budget: {}", budgets.join(", "));
     Ok(())
 }

@@ -250,6 +250,46 @@ impl DraftTree {
         let n = self.shape.rows();
         b * n..(b + 1) * n
     }
+
+    /// The trees of a smaller `budget`: the first `budget + 1` rows of each, links past them cut. A
+    /// best-first build adds nodes in decreasing path probability, so these are the trees a build of
+    /// that budget makes (ENGINE.md §7: one build serves every smaller budget).
+    pub fn first_rows(&self, budget: usize) -> Result<DraftTree> {
+        let s = self.shape;
+        if budget == 0 || budget > s.budget {
+            return Err(Error::param("budget", budget, format!("must be in 1..={} (the built tree's)", s.budget)));
+        }
+        let shape = TreeShape::new(s.bs, s.depth, budget)?;
+        let (n, words, keep_rows, keep_words) = (s.rows(), s.words(), shape.rows(), shape.words());
+        let cut = |v: i32| if v >= keep_rows as i32 { -1 } else { v };
+        let mut t = DraftTree {
+            shape,
+            num_nodes: self.num_nodes.iter().map(|&m| m.min(budget as i32)).collect(),
+            node_token: Vec::new(),
+            node_depth: Vec::new(),
+            parent: Vec::new(),
+            first_child: Vec::new(),
+            next_sibling: Vec::new(),
+            position: Vec::new(),
+            visibility: Vec::new(),
+        };
+        let last_word = if keep_rows % 32 == 0 { u32::MAX } else { (1u32 << (keep_rows % 32)) - 1 };
+        for b in 0..s.bs {
+            let rows = b * n..b * n + keep_rows;
+            t.node_token.extend_from_slice(&self.node_token[rows.clone()]);
+            t.node_depth.extend_from_slice(&self.node_depth[rows.clone()]);
+            t.parent.extend_from_slice(&self.parent[rows.clone()]);
+            t.position.extend_from_slice(&self.position[rows.clone()]);
+            t.first_child.extend(self.first_child[rows.clone()].iter().map(|&v| cut(v)));
+            t.next_sibling.extend(self.next_sibling[rows.clone()].iter().map(|&v| cut(v)));
+            for r in rows {
+                let bits = &self.visibility[r * words..r * words + keep_words];
+                t.visibility.extend_from_slice(&bits[..keep_words - 1]);
+                t.visibility.push(bits[keep_words - 1] & last_word);
+            }
+        }
+        Ok(t)
+    }
 }
 
 /// The result of greedy acceptance (DESIGN.md §4.2).

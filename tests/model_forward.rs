@@ -414,7 +414,8 @@ fn a_profiled_step_times_every_stage_of_every_layer() {
 
 /// The last layer's hidden states are the residual stream lm_head reads: the final norm and lm_head
 /// applied on the host with the CPU backend's own row op and GEMM give the step's logits bit for bit; the
-/// argmax tokens come with them; and a layer out of range or asked twice is an error.
+/// hidden states cover every token of the step even when only the last row's logits are asked for, which
+/// come with them with their argmax; and a layer out of range or asked twice is an error.
 #[test]
 fn hidden_states_of_the_last_layer_give_the_logits() {
     let model = Model::load(tiny_dir()).unwrap();
@@ -425,7 +426,8 @@ fn hidden_states_of_the_last_layer_give_the_logits() {
     let mut with_hidden = cache(&model);
     let seq = with_hidden.add_sequence();
     let request = |seq| [StepRequest { seq, tokens: &prompt, tree: None }];
-    let (tokens, hidden) = model.step_hidden(&mut with_hidden, &request(seq), Logits::All, &[layers - 1, 0]).unwrap();
+    let step = model.step_hidden(&mut with_hidden, &request(seq), Logits::Last, &[layers - 1, 0], true).unwrap();
+    let hidden = step.hidden;
     assert_eq!(hidden.len(), 2 * prompt.len() * h);
     let mut plain = cache(&model);
     let plain_seq = plain.add_sequence();
@@ -436,11 +438,12 @@ fn hidden_states_of_the_last_layer_give_the_logits() {
     let head = ckpt.bf16("lm_head.weight", &[c.vocab_size, h]).unwrap();
     let want = kdtree_engine::cpu::gemm_bf16::gemm_bf16(&head, c.vocab_size, h, &normed).unwrap();
     assert!(want == logits, "lm_head(norm(last layer's hidden states)) differs from the step's logits");
-    let argmaxes: Vec<u32> = logits.chunks(c.vocab_size).map(argmax).collect();
-    assert_eq!(tokens, argmaxes);
+    let last = &logits[(prompt.len() - 1) * c.vocab_size..];
+    assert!(step.logits == last, "the step's logits are not the last row's");
+    assert_eq!(step.argmax, vec![argmax(last)]);
     assert_ne!(hidden[..prompt.len() * h], hidden[prompt.len() * h..], "layer 0 and the last layer differ");
     for bad in [vec![layers], vec![0, 0]] {
-        let err = model.step_hidden(&mut with_hidden, &request(seq), Logits::Last, &bad).unwrap_err();
+        let err = model.step_hidden(&mut with_hidden, &request(seq), Logits::Last, &bad, false).unwrap_err();
         assert!(matches!(err, Error::Param { name: "hidden layers", .. }), "{bad:?}: {err}");
     }
 }

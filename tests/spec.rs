@@ -7,9 +7,14 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
+use std::collections::HashMap;
+
 use kdtree_engine::model::backend::Backend;
-use kdtree_engine::model::{Logits, Model, StepRequest, TreeCommit, TreeInput};
-use kdtree_engine::spec::{Engine, EngineConfig, FinishReason, Mode, NgramProposer, RequestParams, Sampling};
+use kdtree_engine::model::{Drafter, Logits, Model, StepRequest, TreeCommit, TreeInput};
+use kdtree_engine::spec::{
+    DflashProposer, DraftRequest, Engine, EngineConfig, FinishReason, Mode, NgramProposer, Proposal, Proposer,
+    RequestId, RequestParams, Sampling,
+};
 
 fn tiny_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny_model")
@@ -120,19 +125,129 @@ fn check_modes_equal_ar<B: Backend>(model: &Model<B>, label: &str) {
         (Mode::DdTree, 16, 16),
         (Mode::DdTree, 32, 16),
         (Mode::DdTree, 64, 16),
+        (Mode::Auto, 16, 16),
     ];
     for (mode, budget, block) in modes {
         let cfg = config(mode, budget, block);
         let (batched, accepted) = generate(model, cfg, &PROMPTS);
         println!("{label} {mode:?} B {budget} block {block}: batch of 4, mean accepted length {accepted:.2}");
         assert_eq!(batched, want, "{label} {mode:?} B {budget} block {block}: a batch of 4 differs from greedy");
-        if mode != Mode::Ar {
+        if !matches!(mode, Mode::Ar | Mode::Auto) {
             assert!(accepted > 1.5, "{label} {mode:?} B {budget}: mean accepted length {accepted:.2}, want > 1.5");
         }
         for (i, &(p, n)) in PROMPTS.iter().enumerate() {
             let (alone, _) = generate(model, cfg, &[(p, n)]);
             assert_eq!(alone[0], want[i], "{label} {mode:?} B {budget} block {block}: prompt {i} alone differs");
         }
+    }
+}
+
+fn drafter_dir() -> PathBuf {
+    tiny_dir().join("drafter")
+}
+
+/// Runs `prompts` through one engine drafting with the DFlash drafter, all added before the first step.
+fn generate_drafted<B: Backend>(
+    model: &Model<B>,
+    drafter: &Drafter<B>,
+    cfg: EngineConfig,
+    prompts: &[(&[u32], usize)],
+) -> Vec<Vec<u32>> {
+    let mut engine = Engine::new(model, DflashProposer::new(drafter, &cfg).unwrap(), cfg).unwrap();
+    for &(p, n) in prompts {
+        engine.add_request(p, params(n)).unwrap();
+    }
+    engine.run_to_end().unwrap().into_iter().map(|(_, t)| t).collect()
+}
+
+/// With the DFlash drafter proposing, every mode's tokens equal plain decoding's, alone and batched.
+fn check_drafted_modes_equal_ar<B: Backend>(model: &Model<B>, drafter: &Drafter<B>, label: &str) {
+    let block = drafter.dflash().block_size;
+    let want: Vec<Vec<u32>> = PROMPTS.iter().map(|&(p, n)| greedy(model, p, n)).collect();
+    // An unoptimized build runs the smallest budget only: the others take many minutes there (every
+    // release run, on the CPU and on CUDA, runs them all).
+    let modes: &[(Mode, usize)] = if cfg!(debug_assertions) {
+        &[(Mode::Chain, 1), (Mode::DdTree, 8), (Mode::Auto, 32)]
+    } else {
+        &[
+            (Mode::Chain, 1),
+            (Mode::DdTree, 8),
+            (Mode::DdTree, 16),
+            (Mode::DdTree, 32),
+            (Mode::DdTree, 64),
+            (Mode::Auto, 32),
+        ]
+    };
+    for &(mode, budget) in modes {
+        let started = std::time::Instant::now();
+        let cfg = config(mode, budget, block);
+        assert_eq!(generate_drafted(model, drafter, cfg, &PROMPTS), want, "{label} drafter {mode:?} B {budget}: batch");
+        for (i, &(p, n)) in PROMPTS.iter().enumerate() {
+            let alone = generate_drafted(model, drafter, cfg, &[(p, n)]);
+            assert_eq!(alone[0], want[i], "{label} drafter {mode:?} B {budget}: prompt {i} alone");
+        }
+        println!("{label} drafter {mode:?} B {budget}: {:.1} s", started.elapsed().as_secs_f64());
+    }
+}
+
+/// Prompt lookup that also reads the drafter's target layers and keeps every feature the engine hands
+/// it, per request (with the history it came with).
+struct FeatureLog {
+    ngram: NgramProposer,
+    layers: Vec<usize>,
+    seen: HashMap<RequestId, (Vec<u32>, Vec<f32>)>,
+}
+
+impl Proposer for FeatureLog {
+    fn feature_layers(&self) -> &[usize] {
+        &self.layers
+    }
+
+    fn propose(
+        &mut self,
+        batch: &[DraftRequest],
+        depth: usize,
+        k: usize,
+        vocab: usize,
+    ) -> kdtree_engine::Result<Vec<Proposal>> {
+        for r in batch {
+            let entry = self.seen.entry(r.id).or_default();
+            entry.0 = r.history.to_vec();
+            entry.1.extend_from_slice(r.features);
+        }
+        self.ngram.propose(batch, depth, k, vocab)
+    }
+}
+
+/// The features the engine hands a proposer over a whole generation (prefill, decode rows, the
+/// accepted rows of trees, accepted several deep) are, token for token and bit for bit, the hidden
+/// states a plain prefill of the same tokens gives.
+fn check_features_follow_the_committed_tokens<B: Backend>(model: &Model<B>, layers: &[usize], label: &str) {
+    let log = FeatureLog { ngram: NgramProposer::default(), layers: layers.to_vec(), seen: HashMap::new() };
+    let cfg = config(Mode::DdTree, 16, 8);
+    let mut engine = Engine::new(model, log, cfg).unwrap();
+    let ids: Vec<RequestId> = PROMPTS.iter().map(|&(p, n)| engine.add_request(p, params(n)).unwrap()).collect();
+    engine.run_to_end().unwrap();
+    let accepted = engine.stats().mean_accepted_length();
+    assert!(accepted > 1.5, "{label}: mean accepted length {accepted:.2}: the test needs deep accepted paths");
+    let h = model.config().hidden_size;
+    let seen = &engine.proposer().seen;
+    for (i, id) in ids.iter().enumerate() {
+        let (history, got) = &seen[id];
+        let committed = &history[..history.len() - 1];
+        let mut cache = model.new_cache(64, 16, 256).unwrap();
+        let seq = cache.add_sequence();
+        let request = [StepRequest { seq, tokens: committed, tree: None }];
+        let step = model.step_hidden(&mut cache, &request, Logits::Last, layers, false).unwrap();
+        let t = committed.len();
+        let mut want = Vec::new();
+        for j in 0..t {
+            for l in 0..layers.len() {
+                want.extend_from_slice(&step.hidden[(l * t + j) * h..(l * t + j + 1) * h]);
+            }
+        }
+        assert_eq!(got.len(), want.len(), "{label}: prompt {i}: features of {t} tokens");
+        assert!(bits(got) == bits(&want), "{label}: prompt {i}: features differ from a plain prefill's");
     }
 }
 
@@ -188,6 +303,18 @@ fn check_commit_moves_the_accepted_rows<B: Backend>(model: &Model<B>) {
 #[test]
 fn modes_emit_greedy_tokens_alone_and_in_batches() {
     check_modes_equal_ar(&Model::load(tiny_dir()).unwrap(), "cpu");
+}
+
+#[test]
+fn drafted_modes_emit_greedy_tokens_alone_and_in_batches() {
+    let model = Model::load(tiny_dir()).unwrap();
+    let drafter = Drafter::load(drafter_dir(), &model).unwrap();
+    check_drafted_modes_equal_ar(&model, &drafter, "cpu");
+}
+
+#[test]
+fn features_follow_the_committed_tokens() {
+    check_features_follow_the_committed_tokens(&Model::load(tiny_dir()).unwrap(), &[1, 3], "cpu");
 }
 
 #[test]
@@ -323,6 +450,19 @@ fn bad_settings_and_requests_are_errors_naming_them() {
     assert!(err(config(Mode::DdTree, 65, 16)).contains("budget"));
     assert!(err(config(Mode::Chain, 1, 1)).contains("block"));
     assert!(err(config(Mode::Chain, 1, 65)).contains("block"));
+    assert!(err(config(Mode::Auto, 0, 16)).contains("budget"));
+    let drafter = Drafter::load(drafter_dir(), &model).unwrap();
+    let trained = drafter.dflash().block_size;
+    let wrong_block = config(Mode::DdTree, 16, trained + 1);
+    let e = DflashProposer::new(&drafter, &wrong_block).err().unwrap().to_string();
+    assert!(e.contains("block") && e.contains(&trained.to_string()), "{e}");
+    let e =
+        Engine::new(&model, DflashProposer::new(&drafter, &config(Mode::DdTree, 16, trained)).unwrap(), wrong_block)
+            .err()
+            .unwrap()
+            .to_string();
+    assert!(e.contains("block"), "{e}");
+    assert_eq!("auto".parse::<Mode>().unwrap(), Mode::Auto);
     let mut engine = Engine::new(&model, NgramProposer::default(), config(Mode::DdTree, 8, 8)).unwrap();
     let vocab = model.config().vocab_size as u32;
     let bad = |e: &mut Engine<_, _>, p: &[u32], n: usize| e.add_request(p, params(n)).err().unwrap().to_string();
@@ -358,6 +498,32 @@ mod cuda {
         for graphs in [false, true] {
             model.set_graphs(graphs);
             check_modes_equal_ar(&model, if graphs { "cuda, graphs on" } else { "cuda, graphs off" });
+        }
+    }
+
+    #[test]
+    fn cuda_drafted_modes_emit_greedy_tokens_alone_and_in_batches() {
+        if common::gpu().is_none() {
+            return;
+        }
+        let model = cuda_model();
+        let drafter = Drafter::load(drafter_dir(), &model).unwrap();
+        for graphs in [false, true] {
+            model.set_graphs(graphs);
+            drafter.model().set_graphs(graphs);
+            check_drafted_modes_equal_ar(&model, &drafter, if graphs { "cuda, graphs on" } else { "cuda, graphs off" });
+        }
+    }
+
+    #[test]
+    fn cuda_features_follow_the_committed_tokens() {
+        if common::gpu().is_none() {
+            return;
+        }
+        let model = cuda_model();
+        for graphs in [false, true] {
+            model.set_graphs(graphs);
+            check_features_follow_the_committed_tokens(&model, &[1, 3], &format!("cuda, graphs {graphs}"));
         }
     }
 

@@ -149,6 +149,27 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// One build serves every smaller budget (`auto`, ENGINE.md §7): the first rows of a budget-B tree
+    /// are, field for field, the tree a build of the smaller budget makes from the same candidates.
+    #[test]
+    fn first_rows_are_the_smaller_budget_tree(
+        l in 1usize..5, v in 2usize..7, budget in 2usize..40, seed in any::<u64>(), bs in 1usize..3,
+    ) {
+        let k = budget.min(v);
+        let logits = common_logits(seed, bs * l * v);
+        let top = topk_logsumexp(Logits::F32(&logits), bs, l, v, k).unwrap();
+        let (root, seq) = (vec![7; bs], vec![100; bs]);
+        let tree = build_trees(TreeShape::new(bs, l, budget).unwrap(), k, &top.ids, &top.logp, &root, &seq).unwrap();
+        for smaller in 1..budget {
+            let want = build_trees(TreeShape::new(bs, l, smaller).unwrap(), k, &top.ids, &top.logp, &root, &seq).unwrap();
+            prop_assert_eq!(tree.first_rows(smaller).unwrap(), want, "budget {} of {}", smaller, budget);
+        }
+        prop_assert!(tree.first_rows(0).is_err() && tree.first_rows(budget + 1).is_err());
+    }
+}
+
 /// Random logits with a per-position temperature, so trees take varied shapes.
 fn common_logits(seed: u64, n: usize) -> Vec<f32> {
     let mut next = common::xorshift(seed);

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use half::bf16;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -32,19 +32,19 @@ use crate::types::KvLayout;
 const PROGRESS_BYTES: u64 = 1 << 30;
 
 /// An RMSNorm weight on the backend.
-struct Norm<B: Backend> {
+pub(super) struct Norm<B: Backend> {
     w: B::Buf<f32>,
     eps: f32,
     dim: usize,
 }
 
 impl<B: Backend> Norm<B> {
-    fn place(b: &B, n: &layers::RmsNorm) -> Result<Self> {
+    pub(super) fn place(b: &B, n: &layers::RmsNorm) -> Result<Self> {
         Ok(Norm { w: b.upload(&n.w)?, eps: n.eps, dim: n.w.len() })
     }
 
     /// `y = RMSNorm(x)` for `rows` dense rows.
-    fn run(&self, b: &B, x: &B::Buf<f32>, rows: usize, y: &mut B::Buf<f32>) -> Result<()> {
+    pub(super) fn run(&self, b: &B, x: &B::Buf<f32>, rows: usize, y: &mut B::Buf<f32>) -> Result<()> {
         b.rmsnorm(x, self.dim, &self.w, self.eps, rows, y, self.dim)
     }
 }
@@ -137,7 +137,7 @@ impl<B: Backend> Attention<B> {
     }
 }
 
-struct Layer<B: Backend> {
+pub(super) struct Layer<B: Backend> {
     input_norm: Norm<B>,
     attn: Attention<B>,
     post_attn_norm: Norm<B>,
@@ -174,7 +174,9 @@ struct Scratch<B: Backend> {
     tree_prefix: B::Buf<i32>,
     visibility: B::Buf<u32>,
     pick: B::Buf<i32>,
-    /// The chosen rows' hidden states of the layers a step asks for, one buffer per layer asked.
+    /// `0, 1, …, tokens - 1`: the pick of every row.
+    every: B::Buf<i32>,
+    /// Every token's hidden states after the layers a step asks for, one buffer per layer asked.
     hidden: Vec<B::Buf<f32>>,
     last: B::Buf<f32>,
     last_normed: B::Buf<f32>,
@@ -216,6 +218,7 @@ impl<B: Backend> Scratch<B> {
             tree_prefix: b.zeros(t)?,
             visibility: b.zeros(t * t.div_ceil(32))?,
             pick: b.zeros(picked)?,
+            every: b.upload(&(0..t as i32).collect::<Vec<i32>>())?,
             hidden: Vec::new(),
             last: b.zeros(picked * h)?,
             last_normed: b.zeros(picked * h)?,
@@ -228,14 +231,24 @@ impl<B: Backend> Scratch<B> {
 /// The model: config, weights placed on its backend, and the backend.
 pub struct Model<B: Backend = CpuBackend> {
     config: Config,
-    embed: B::Buf<bf16>,
+    /// Shared with a drafter, which embeds its block with the target's table.
+    embed: Arc<B::Buf<bf16>>,
     layers: Vec<Layer<B>>,
     norm: Norm<B>,
-    lm_head: B::Linear,
+    /// Shared with a drafter, whose logits come from the target's head.
+    lm_head: Arc<B::Linear>,
     rope: Rope,
     scratch: Mutex<Option<Scratch<B>>>,
     graphs: Mutex<Graphs<B>>,
-    backend: B,
+    /// Shared with a drafter: its work queues behind the target's on the same stream.
+    backend: Arc<B>,
+}
+
+/// What a drafter takes from its target: the embedding table, lm_head and backend (ENGINE.md §8).
+pub(super) struct SharedParts<B: Backend> {
+    pub(super) embed: Arc<B::Buf<bf16>>,
+    pub(super) lm_head: Arc<B::Linear>,
+    pub(super) backend: Arc<B>,
 }
 
 /// The shape of a step that a recorded graph replays: everything its launches bake in.
@@ -339,6 +352,18 @@ impl<'a, B: Backend> Laps<'a, B> {
     }
 }
 
+/// What [`Model::step_hidden`] returns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HiddenStep {
+    /// The argmax token of each chosen row.
+    pub argmax: Vec<u32>,
+    /// `[rows, vocab]` logits of the chosen rows when asked for, else empty.
+    pub logits: Vec<f32>,
+    /// `[layers, tokens, hidden_size]`: every token of the step (in call order, chosen or not) after each
+    /// layer asked for, in the order asked.
+    pub hidden: Vec<f32>,
+}
+
 /// One sequence's part of a step ([`Model::step`]).
 #[derive(Clone, Copy, Debug)]
 pub struct StepRequest<'a> {
@@ -425,7 +450,7 @@ impl<B: Backend> Model<B> {
         };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
-            layers.push(load_layer(&backend, ckpt, c, i)?);
+            layers.push(load_layer(&backend, ckpt, c, &format!("model.layers.{i}"), i)?);
             bar.inc(1);
         }
         bar.finish_and_clear();
@@ -438,17 +463,9 @@ impl<B: Backend> Model<B> {
         };
         let norm = layers::RmsNorm::load(ckpt, "model.norm.weight", h, c.rms_norm_eps)?;
         check_all_read(ckpt, c)?;
-        Ok(Model {
-            embed: backend.upload(&embed)?,
-            norm: Norm::place(&backend, &norm)?,
-            lm_head,
-            layers,
-            rope: Rope::new(c)?,
-            config,
-            scratch: Mutex::new(None),
-            graphs: Mutex::new(Graphs { enabled: true, recorded: HashMap::new() }),
-            backend,
-        })
+        let embed = Arc::new(backend.upload(&embed)?);
+        let norm = Norm::place(&backend, &norm)?;
+        Model::from_parts(config, embed, layers, norm, Arc::new(lm_head), Arc::new(backend))
     }
 
     /// A model of `config`'s shape with random weights made on `backend` (no checkpoint): every norm
@@ -507,15 +524,30 @@ impl<B: Backend> Model<B> {
             let norm = ones(h, c.rms_norm_eps)?;
             layers.push(Layer { input_norm: norm, attn, post_attn_norm: ones(h, c.rms_norm_eps)?, ffn });
         }
+        let embed = Arc::new(b.random_table(c.vocab_size, h, seed())?);
+        let lm_head = Arc::new(b.random_linear(1, c.vocab_size, h, seed())?);
+        let norm = ones(h, c.rms_norm_eps)?;
+        Model::from_parts(config, embed, layers, norm, lm_head, Arc::new(backend))
+    }
+
+    /// The model of `config` from weights already on `backend`.
+    pub(super) fn from_parts(
+        config: Config,
+        embed: Arc<B::Buf<bf16>>,
+        layers: Vec<Layer<B>>,
+        norm: Norm<B>,
+        lm_head: Arc<B::Linear>,
+        backend: Arc<B>,
+    ) -> Result<Self> {
         Ok(Model {
-            embed: b.random_table(c.vocab_size, h, seed())?,
-            lm_head: b.random_linear(1, c.vocab_size, h, seed())?,
-            norm: ones(h, c.rms_norm_eps)?,
+            embed,
             layers,
-            rope: Rope::new(c)?,
+            norm,
+            lm_head,
+            rope: Rope::new(&config)?,
+            config,
             scratch: Mutex::new(None),
             graphs: Mutex::new(Graphs { enabled: true, recorded: HashMap::new() }),
-            config,
             backend,
         })
     }
@@ -548,7 +580,7 @@ impl<B: Backend> Model<B> {
     /// A KV cache for this model on its backend: `num_pages` pages of `page_size` slots per layer, at most
     /// `max_seq_len` slots per sequence.
     pub fn new_cache(&self, num_pages: usize, page_size: usize, max_seq_len: usize) -> Result<KvCache<B>> {
-        KvCache::new(&self.backend, self.config.num_hidden_layers, num_pages, page_size, max_seq_len)
+        KvCache::new(&*self.backend, self.config.num_hidden_layers, num_pages, page_size, max_seq_len)
     }
 
     /// Runs `batch` (sequence id in `cache`, its new tokens) one step: appends the tokens' latent rows to
@@ -563,7 +595,7 @@ impl<B: Backend> Model<B> {
     /// tree, with [`Logits::All`] every row, in request order.
     pub fn step(&self, cache: &mut KvCache<B>, requests: &[StepRequest], which: Logits) -> Result<Vec<f32>> {
         let vocab = self.config.vocab_size;
-        self.run_step(cache, requests, which, Wanted::LOGITS, &mut Laps::off(&self.backend), |b, s, rows| {
+        self.run_step(cache, requests, which, Wanted::LOGITS, &mut Laps::off(&*self.backend), |b, s, rows| {
             b.read(&s.logits, rows * vocab)
         })
     }
@@ -571,33 +603,38 @@ impl<B: Backend> Model<B> {
     /// Like [`Model::step`], but returns only the argmax token of each chosen row, computed where the
     /// backend lives.
     pub fn step_argmax(&self, cache: &mut KvCache<B>, requests: &[StepRequest], which: Logits) -> Result<Vec<u32>> {
-        let mut laps = Laps::off(&self.backend);
+        let mut laps = Laps::off(&*self.backend);
         let ids =
             self.run_step(cache, requests, which, Wanted::ARGMAX, &mut laps, |b, s, rows| b.read(&s.argmax, rows))?;
         Ok(ids.into_iter().map(|t| t as u32).collect())
     }
 
-    /// Like [`Model::step_argmax`], and also returns the chosen rows' hidden states after each layer of
-    /// `layers` (the residual stream leaving the layer, what a DFlash drafter reads as context features):
-    /// `[layers.len(), rows, hidden_size]`, in the order of `layers`.
+    /// Like [`Model::step_argmax`] (and [`Model::step`] when `logits` is set), and also returns every
+    /// token's hidden state after each layer of `layers` (the residual stream leaving the layer, what a
+    /// DFlash drafter reads as context features).
     pub fn step_hidden(
         &self,
         cache: &mut KvCache<B>,
         requests: &[StepRequest],
         which: Logits,
         layers: &[usize],
-    ) -> Result<(Vec<u32>, Vec<f32>)> {
-        let h = self.config.hidden_size;
-        let mut laps = Laps::off(&self.backend);
-        let (ids, hidden) =
-            self.run_step(cache, requests, which, Wanted { argmax: true, hidden: layers }, &mut laps, |b, s, rows| {
-                let mut hidden = Vec::with_capacity(layers.len() * rows * h);
-                for buf in &s.hidden[..layers.len()] {
-                    hidden.extend(b.read(buf, rows * h)?);
-                }
-                Ok((b.read(&s.argmax, rows)?, hidden))
-            })?;
-        Ok((ids.into_iter().map(|t| t as u32).collect(), hidden))
+        logits: bool,
+    ) -> Result<HiddenStep> {
+        let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
+        let tokens: usize = requests.iter().map(|r| r.tokens.len()).sum();
+        let mut laps = Laps::off(&*self.backend);
+        let wanted = Wanted { argmax: true, hidden: layers };
+        self.run_step(cache, requests, which, wanted, &mut laps, |b, s, rows| {
+            let mut hidden = Vec::with_capacity(layers.len() * tokens * h);
+            for buf in &s.hidden[..layers.len()] {
+                hidden.extend(b.read(buf, tokens * h)?);
+            }
+            Ok(HiddenStep {
+                argmax: b.read(&s.argmax, rows)?.into_iter().map(|t| t as u32).collect(),
+                logits: if logits { b.read(&s.logits, rows * vocab)? } else { Vec::new() },
+                hidden,
+            })
+        })
     }
 
     /// Runs one step like [`Model::step_argmax`], op by op (never from a recorded graph), and returns the
@@ -610,17 +647,77 @@ impl<B: Backend> Model<B> {
         which: Logits,
     ) -> Result<Vec<StageTime>> {
         let mut laps = Laps {
-            backend: &self.backend,
+            backend: &*self.backend,
             on: true,
             layer: None,
             marks: vec![(None, Stage::Elementwise, self.backend.mark()?)],
         };
         self.run_step(cache, requests, which, Wanted::ARGMAX, &mut laps, |_, _, _| Ok(()))?;
-        let b = &self.backend;
+        let b = &*self.backend;
         laps.marks
             .windows(2)
             .map(|w| Ok(StageTime { layer: w[1].0, stage: w[1].1, time: b.elapsed(&w[0].2, &w[1].2)? }))
             .collect()
+    }
+
+    /// Writes every layer's latent cache rows of `x` (`[tokens, hidden]` f32 on the backend) at the next
+    /// slots of the sequences of `rows` (`(sequence, tokens)`, in the order of `x`'s rows) and commits
+    /// them: kv_a, the latent RMSNorm and RoPE at the slots' positions, as a step writes its tokens' rows
+    /// but with no query. A drafter's context K/V enter attention this way (ENGINE.md §8). `table`,
+    /// `slot` and `kv` are scratch of at least `tokens` rows.
+    pub(super) fn write_context(
+        &self,
+        cache: &mut KvCache<B>,
+        rows: &[(usize, usize)],
+        x: &B::Buf<f32>,
+        table: &mut B::Buf<f32>,
+        slot: &mut B::Buf<i32>,
+        kv: &mut B::Buf<f32>,
+    ) -> Result<()> {
+        for (i, &(seq, n)) in rows.iter().enumerate() {
+            if rows[..i].iter().any(|o| o.0 == seq) {
+                return Err(Error::param("context rows", seq, "a sequence may appear only once per write"));
+            }
+            let start = cache.len(seq)?;
+            cache.reserve(seq, start + n)?;
+        }
+        let (mut positions, mut slots) = (Vec::new(), Vec::new());
+        for &(seq, n) in rows {
+            let (start, table) = (cache.len(seq)?, cache.block_table(seq)?);
+            for p in start..start + n {
+                positions.push(p);
+                slots.push(cache.slot_row(&table, p)?);
+            }
+        }
+        let t = positions.len();
+        if t == 0 {
+            return Ok(());
+        }
+        let b = &*self.backend;
+        b.write(&self.rope.table(&positions), table)?;
+        b.write(&slots, slot)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let w = &layer.attn;
+            b.matmul(&w.kv_a, x, t, kv)?;
+            let write = KvWrite {
+                kv: &*kv,
+                norm_w: &w.kv_a_norm.w,
+                eps: w.kv_a_norm.eps,
+                table: &*table,
+                interleave: self.rope.interleave(),
+                slot: &*slot,
+            };
+            b.kv_rows(&write, t, &mut cache.storage[l])?;
+        }
+        for &(seq, n) in rows {
+            cache.extend(seq, n);
+        }
+        Ok(())
+    }
+
+    /// The parts a drafter of this target shares with it.
+    pub(super) fn shared_parts(&self) -> SharedParts<B> {
+        SharedParts { embed: self.embed.clone(), lm_head: self.lm_head.clone(), backend: self.backend.clone() }
     }
 
     /// Like [`Model::forward`], but returns only the argmax token of each chosen row, computed where the
@@ -652,7 +749,7 @@ impl<B: Backend> Model<B> {
             }
         }
         let inputs = self.plan_step(cache, requests, which)?;
-        let b = &self.backend;
+        let b = &*self.backend;
         let (tokens, picked) = (inputs.ids.len(), inputs.pick.len());
         let mut guard = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
         let mut graphs = self.graphs.lock().unwrap_or_else(PoisonError::into_inner);
@@ -664,7 +761,7 @@ impl<B: Backend> Model<B> {
         }
         let s = guard.as_mut().expect("made above");
         while s.hidden.len() < hidden.len() {
-            s.hidden.push(b.zeros(s.picked * self.config.hidden_size)?);
+            s.hidden.push(b.zeros(s.tokens * self.config.hidden_size)?);
         }
         self.upload_inputs(s, &inputs)?;
         let graphable = requests.iter().all(|r| r.tree.is_some() || r.tokens.len() == 1);
@@ -715,7 +812,7 @@ impl<B: Backend> Model<B> {
         laps: &mut Laps<B>,
     ) -> Result<()> {
         let Wanted { argmax, hidden } = wanted;
-        let b = &self.backend;
+        let b = &*self.backend;
         let (tokens, picked) = (inputs.ids.len(), inputs.pick.len());
         let h = self.config.hidden_size;
         b.embed(&self.embed, h, &s.ids, tokens, &mut s.x)?;
@@ -731,7 +828,7 @@ impl<B: Backend> Model<B> {
             self.feed_forward(&layer.ffn, tokens, s, laps)?;
             b.add(&mut s.x, &s.out, tokens * h)?;
             if let Some(k) = hidden.iter().position(|&want| want == l) {
-                b.gather(&s.x, h, tokens, &s.pick, picked, &mut s.hidden[k])?;
+                b.gather(&s.x, h, tokens, &s.every, tokens, &mut s.hidden[k])?;
             }
             laps.lap(Stage::Elementwise)?;
         }
@@ -820,7 +917,7 @@ impl<B: Backend> Model<B> {
     }
 
     fn upload_inputs(&self, s: &mut Scratch<B>, x: &StepInputs) -> Result<()> {
-        let b = &self.backend;
+        let b = &*self.backend;
         b.write(&x.ids, &mut s.ids)?;
         b.write(&self.rope.table(&x.positions), &mut s.table)?;
         b.write(&x.slot, &mut s.slot)?;
@@ -845,7 +942,7 @@ impl<B: Backend> Model<B> {
         s: &mut Scratch<B>,
         laps: &mut Laps<B>,
     ) -> Result<()> {
-        let (b, c, w) = (&self.backend, &self.config, &layer.attn);
+        let (b, c, w) = (&*self.backend, &self.config, &layer.attn);
         let (t, heads, nope, v) = (x.ids.len(), c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim);
         b.matmul(&w.kv_a, &s.normed, t, &mut s.kv)?;
         laps.lap(Stage::Projections)?;
@@ -908,7 +1005,7 @@ impl<B: Backend> Model<B> {
 
     /// The feed-forward block on `s.normed` into `s.out`.
     fn feed_forward(&self, ffn: &FeedForward<B>, t: usize, s: &mut Scratch<B>, laps: &mut Laps<B>) -> Result<()> {
-        let b = &self.backend;
+        let b = &*self.backend;
         let h = self.config.hidden_size;
         match ffn {
             FeedForward::Dense(mlp) => self.mlp(mlp, t, s, false, laps),
@@ -931,7 +1028,7 @@ impl<B: Backend> Model<B> {
 
     /// The gated MLP on `s.normed`, into `s.out` (or `s.shared_out` for the shared expert).
     fn mlp(&self, mlp: &Mlp<B>, t: usize, s: &mut Scratch<B>, shared: bool, laps: &mut Laps<B>) -> Result<()> {
-        let b = &self.backend;
+        let b = &*self.backend;
         let stage = if shared { Stage::SharedExpert } else { Stage::DenseMlp };
         b.matmul(&mlp.gate_up, &s.normed, t, &mut s.gate_up)?;
         laps.lap(stage)?;
@@ -1030,8 +1127,8 @@ fn check_requests(requests: &[StepRequest], vocab: usize) -> Result<()> {
     Ok(())
 }
 
-fn load_layer<B: Backend>(b: &B, ckpt: &Checkpoint, c: &Config, i: usize) -> Result<Layer<B>> {
-    let p = format!("model.layers.{i}");
+/// Decoder layer `i` of `c`, its tensors named `{p}.…`.
+pub(super) fn load_layer<B: Backend>(b: &B, ckpt: &Checkpoint, c: &Config, p: &str, i: usize) -> Result<Layer<B>> {
     let h = c.hidden_size;
     let ffn = if c.is_moe_layer(i) {
         let m = layers::Moe::load(ckpt, &format!("{p}.mlp"), c)?;
@@ -1198,7 +1295,7 @@ impl<B: Backend> KvCache<B> {
     }
 
     /// Makes room for `len` slots in sequence `id`.
-    fn reserve(&mut self, id: usize, len: usize) -> Result<()> {
+    pub(super) fn reserve(&mut self, id: usize, len: usize) -> Result<()> {
         let max = self.layout.pages_per_req * self.layout.page_size;
         if len > max {
             return Err(Error::param("sequence length", len, format!("sequence {id} exceeds max_seq_len {max}")));
@@ -1215,6 +1312,13 @@ impl<B: Backend> KvCache<B> {
         Ok(())
     }
 
+    /// Commits `n` more slots of sequence `id` (reserved, and written).
+    pub(super) fn extend(&mut self, id: usize, n: usize) {
+        if let Some(seq) = self.seqs.get_mut(id).and_then(Option::as_mut) {
+            seq.len += n;
+        }
+    }
+
     /// Commits the tokens of every request that is not a tree.
     fn advance(&mut self, requests: &[StepRequest]) {
         for r in requests.iter().filter(|r| r.tree.is_none()) {
@@ -1225,14 +1329,14 @@ impl<B: Backend> KvCache<B> {
     }
 
     /// Sequence `id`'s block table, padded with -1 to `pages_per_req`.
-    fn block_table(&self, id: usize) -> Result<Vec<i32>> {
+    pub(super) fn block_table(&self, id: usize) -> Result<Vec<i32>> {
         let mut table = self.seq(id)?.pages.clone();
         table.resize(self.layout.pages_per_req, -1);
         Ok(table)
     }
 
     /// The storage row of `slot` in a sequence with block table `table`.
-    fn slot_row(&self, table: &[i32], slot: usize) -> Result<i32> {
+    pub(super) fn slot_row(&self, table: &[i32], slot: usize) -> Result<i32> {
         let off = self.layout.slot_offset(table, 0, slot)?;
         Ok((off / ROW) as i32)
     }

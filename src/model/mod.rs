@@ -4,11 +4,13 @@
 
 pub mod backend;
 pub mod config;
+pub mod drafter;
 pub mod forward;
 pub mod layers;
 pub mod rope;
 pub mod tokenizer;
 pub mod weights;
 
-pub use forward::{KvCache, Logits, Model, Stage, StageTime, StepRequest, TreeCommit, TreeInput};
+pub use drafter::{BlockDraft, DflashConfig, Drafter};
+pub use forward::{HiddenStep, KvCache, Logits, Model, Stage, StageTime, StepRequest, TreeCommit, TreeInput};
 pub use tokenizer::{ChatMessage, Tokenizer};

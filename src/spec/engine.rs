@@ -1,6 +1,9 @@
 //! The generation loop over a target [`Model`]: requests join and leave between steps; each step is a
 //! prefill of the requests that joined, or one decode / verify step of all the others.
 
+use std::collections::BTreeMap;
+use std::time::Instant;
+
 use crate::cpu::greedy_accept::accept_from_argmax;
 use crate::cpu::tree_build::build_trees;
 use crate::error::{Error, Result};
@@ -9,7 +12,8 @@ use crate::model::{KvCache, Logits, Model, StepRequest, TreeCommit, TreeInput};
 use crate::types::{top_k_for, DraftTree, TreeShape};
 use crate::MAX_DEPTH;
 
-use super::proposer::Proposer;
+use super::auto::{AutoBudget, StepTimes};
+use super::proposer::{DraftRequest, Proposal, Proposer};
 use super::sampling::Sampling;
 
 /// Largest tree budget the engine takes: the range it is tested and measured in (DDTree's B 8-64; the
@@ -25,6 +29,9 @@ pub enum Mode {
     Chain,
     /// The best-first tree of `budget` nodes over the proposer's candidates (DDTree), verified at once.
     DdTree,
+    /// DDTree with the budget chosen each step, 0 (a plain decode step) to `budget`, for the most
+    /// expected tokens per second from the step times the engine measures (ENGINE.md §7).
+    Auto,
 }
 
 impl std::str::FromStr for Mode {
@@ -35,7 +42,8 @@ impl std::str::FromStr for Mode {
             "ar" => Ok(Mode::Ar),
             "chain" => Ok(Mode::Chain),
             "ddtree" => Ok(Mode::DdTree),
-            _ => Err(Error::param("mode", s, "must be one of ar, chain, ddtree")),
+            "auto" => Ok(Mode::Auto),
+            _ => Err(Error::param("mode", s, "must be one of ar, chain, ddtree, auto")),
         }
     }
 }
@@ -45,7 +53,8 @@ impl std::str::FromStr for Mode {
 pub struct EngineConfig {
     /// Decoding mode.
     pub mode: Mode,
-    /// Draft nodes per tree (`ddtree`), root excluded: a verify step runs `budget + 1` rows a sequence.
+    /// Draft nodes per tree (`ddtree`; the largest `auto` may choose), root excluded: a verify step runs
+    /// `budget + 1` rows a sequence.
     pub budget: usize,
     /// Block size: the bonus token and `block - 1` draft positions (the deepest a draft goes).
     pub block: usize,
@@ -69,7 +78,7 @@ impl EngineConfig {
         if self.block < 2 || self.block > MAX_DEPTH + 1 {
             return Err(Error::param("block", self.block, format!("block size must be in 2..={}", MAX_DEPTH + 1)));
         }
-        if self.mode == Mode::DdTree && (self.budget == 0 || self.budget > MAX_ENGINE_BUDGET) {
+        if matches!(self.mode, Mode::DdTree | Mode::Auto) && (self.budget == 0 || self.budget > MAX_ENGINE_BUDGET) {
             return Err(Error::param(
                 "budget",
                 self.budget,
@@ -89,7 +98,7 @@ impl EngineConfig {
         match self.mode {
             Mode::Ar => 1,
             Mode::Chain => self.block,
-            Mode::DdTree => self.budget + 1,
+            Mode::DdTree | Mode::Auto => self.budget + 1,
         }
     }
 }
@@ -145,6 +154,8 @@ pub struct SpecStats {
     pub accepted: u64,
     /// Entry d: verifications that accepted at least d + 1 draft tokens.
     pub accepted_by_depth: Vec<u64>,
+    /// Decode and verify steps by the tree budget they ran (0: a plain decode step).
+    pub steps_by_budget: BTreeMap<usize, u64>,
 }
 
 impl SpecStats {
@@ -163,6 +174,8 @@ struct Active {
     prefilled: bool,
     params: RequestParams,
     generated: usize,
+    /// Context features of the tokens cached since the proposer's last look at this request.
+    features: Vec<f32>,
 }
 
 /// The speculative decoding engine over `model` with proposer `P` (see the module documentation).
@@ -174,15 +187,47 @@ pub struct Engine<'m, B: Backend, P: Proposer> {
     active: Vec<Active>,
     next_id: RequestId,
     stats: SpecStats,
+    /// The target layers whose hidden states the proposer reads (none in `ar` mode).
+    feature_layers: Vec<usize>,
+    /// `auto`'s step-time table and drafting back-off.
+    auto: AutoBudget,
 }
 
 impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
     /// An engine with its own KV cache.
     pub fn new(model: &'m Model<B>, proposer: P, config: EngineConfig) -> Result<Self> {
         config.validate()?;
+        if let Some(block) = proposer.block_size().filter(|&b| config.mode != Mode::Ar && b != config.block) {
+            return Err(Error::param(
+                "block",
+                config.block,
+                format!("the proposer drafts blocks of {block} only (the size its drafter was trained for)"),
+            ));
+        }
         let cache = model.new_cache(config.num_pages, config.page_size, config.max_seq_len)?;
         let stats = SpecStats { accepted_by_depth: vec![0; config.depth()], ..SpecStats::default() };
-        Ok(Engine { model, cache, proposer, config, active: Vec::new(), next_id: 0, stats })
+        let feature_layers = if config.mode == Mode::Ar { Vec::new() } else { proposer.feature_layers().to_vec() };
+        Ok(Engine {
+            model,
+            cache,
+            proposer,
+            config,
+            active: Vec::new(),
+            next_id: 0,
+            stats,
+            feature_layers,
+            auto: AutoBudget::new(StepTimes::new(config.budget)),
+        })
+    }
+
+    /// The target model.
+    pub fn model(&self) -> &'m Model<B> {
+        self.model
+    }
+
+    /// The proposer.
+    pub fn proposer(&self) -> &P {
+        &self.proposer
     }
 
     /// The counters so far.
@@ -221,7 +266,15 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
         let id = self.next_id;
         self.next_id += 1;
         let seq = self.cache.add_sequence();
-        self.active.push(Active { id, seq, history: prompt.to_vec(), prefilled: false, params, generated: 0 });
+        self.active.push(Active {
+            id,
+            seq,
+            history: prompt.to_vec(),
+            prefilled: false,
+            params,
+            generated: 0,
+            features: Vec::new(),
+        });
         Ok(id)
     }
 
@@ -229,6 +282,7 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
     pub fn cancel(&mut self, id: RequestId) -> Result<()> {
         let i = self.active.iter().position(|a| a.id == id).ok_or_else(|| unknown(id))?;
         let a = self.active.remove(i);
+        self.proposer.release(a.id)?;
         self.cache.remove_sequence(a.seq)
     }
 
@@ -266,29 +320,41 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
             .map(|&i| StepRequest { seq: self.active[i].seq, tokens: &self.active[i].history, tree: None })
             .collect();
         let rows: Vec<(usize, usize)> = fresh.iter().map(|&i| (i, self.active[i].history.len())).collect();
-        let first = choose(self.model, &mut self.cache, &self.active, &requests, Logits::Last, &rows)?;
+        let layers = &self.feature_layers;
+        let step = choose(self.model, &mut self.cache, &self.active, &requests, Logits::Last, &rows, layers)?;
         self.stats.prefill_steps += 1;
+        let mut first_token = 0;
         for &i in fresh {
+            let n = self.active[i].history.len();
+            self.active[i].features.extend(step.features(first_token..first_token + n));
             self.active[i].prefilled = true;
+            first_token += n;
         }
-        Ok(fresh.iter().zip(first).map(|(&i, t)| (i, vec![t])).collect())
+        Ok(fresh.iter().zip(step.tokens).map(|(&i, t)| (i, vec![t])).collect())
     }
 
     /// One step of every request: a decode row for each in `ar` mode (and for a sequence with no room
-    /// left for a tree), otherwise a draft verified as a tree.
+    /// left for a tree, and in `auto` mode when a plain step is the faster choice), otherwise a draft
+    /// verified as a tree.
     fn decode(&mut self) -> Result<Vec<(usize, Vec<u32>)>> {
-        let n_rows = self.config.tree_rows();
         let room = self.cache.max_seq_len();
+        let may_draft = match self.config.mode {
+            Mode::Ar => false,
+            Mode::Auto => !self.auto.skip_drafting(),
+            Mode::Chain | Mode::DdTree => true,
+        };
         let (mut plain, mut drafted) = (Vec::new(), Vec::new());
         for (i, a) in self.active.iter().enumerate() {
-            let len = a.history.len() - 1;
-            if self.config.mode == Mode::Ar || len + n_rows > room {
-                plain.push(i);
-            } else {
+            if may_draft && a.history.len() - 1 + self.config.tree_rows() <= room {
                 drafted.push(i);
+            } else {
+                plain.push(i);
             }
         }
-        let trees = if drafted.is_empty() { None } else { Some(self.build_trees(&drafted)?) };
+        let trees = if drafted.is_empty() { None } else { self.draft(&mut plain, &mut drafted)? };
+        let n_rows = trees.as_ref().map_or(1, |t| t.shape.rows());
+        self.stats.steps += 1;
+        *self.stats.steps_by_budget.entry(n_rows - 1).or_default() += 1;
         let rows = trees.as_ref().map(TreeRows::of).unwrap_or_default();
         let mut requests: Vec<StepRequest> = plain
             .iter()
@@ -308,39 +374,93 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
             let len = self.active[i].history.len();
             meta.extend(rows.depth[j * n_rows..(j + 1) * n_rows].iter().map(|&d| (i, len + d as usize)));
         }
-        let argmax = choose(self.model, &mut self.cache, &self.active, &requests, Logits::All, &meta)?;
-        self.stats.steps += 1;
-        let mut emitted: Vec<(usize, Vec<u32>)> = plain.iter().zip(&argmax).map(|(&i, &t)| (i, vec![t])).collect();
+        let layers = &self.feature_layers;
+        let step = choose(self.model, &mut self.cache, &self.active, &requests, Logits::All, &meta, layers)?;
+        for (j, &i) in plain.iter().enumerate() {
+            self.active[i].features.extend(step.features(j..j + 1));
+        }
+        let mut emitted: Vec<(usize, Vec<u32>)> = plain.iter().zip(&step.tokens).map(|(&i, &t)| (i, vec![t])).collect();
         if let Some(tree) = &trees {
-            emitted.extend(self.accept(&drafted, tree, &argmax[plain.len()..], n_rows)?);
+            emitted.extend(self.accept(&drafted, tree, &step, plain.len(), n_rows)?);
         }
         Ok(emitted)
     }
 
-    /// The draft trees of `drafted` (indices into `active`), from the proposer's candidates.
-    fn build_trees(&mut self, drafted: &[usize]) -> Result<DraftTree> {
+    /// The draft trees of `drafted` (indices into `active`). In `auto` mode this also picks the budget:
+    /// the first rows of the full tree, or none (then every request moves to `plain`).
+    fn draft(&mut self, plain: &mut Vec<usize>, drafted: &mut Vec<usize>) -> Result<Option<DraftTree>> {
+        let started = Instant::now();
+        let proposals = self.propose(drafted)?;
+        let tree = self.build_trees(drafted, &proposals)?;
+        if self.config.mode != Mode::Auto {
+            return Ok(Some(tree));
+        }
+        let (_, k) = self.draft_shape();
+        let expected = super::auto::expected_tokens(&tree, &proposals, k, plain.len())?;
+        let layers = &self.feature_layers;
+        let budget = self.auto.choose(self.model, &expected, plain.len() + drafted.len(), started.elapsed(), layers)?;
+        if budget == 0 {
+            plain.append(drafted);
+            return Ok(None);
+        }
+        Ok(Some(tree.first_rows(budget)?))
+    }
+
+    /// The tree budget and candidates per position of a full draft.
+    fn draft_shape(&self) -> (usize, usize) {
         let vocab = self.model.config().vocab_size;
-        let depth = self.config.depth();
-        let (budget, k) = match self.config.mode {
-            Mode::Chain => (depth, 1),
+        match self.config.mode {
+            Mode::Chain => (self.config.depth(), 1),
             _ => (self.config.budget, top_k_for(self.config.budget, vocab, None)),
-        };
-        let (mut ids, mut logp, mut roots, mut lens) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        }
+    }
+
+    /// The proposer's candidates for `drafted` (indices into `active`), handing it each request's
+    /// pending context features.
+    fn propose(&mut self, drafted: &[usize]) -> Result<Vec<Proposal>> {
+        let vocab = self.model.config().vocab_size;
+        let (depth, (_, k)) = (self.config.depth(), self.draft_shape());
+        let batch: Vec<DraftRequest> = drafted
+            .iter()
+            .map(|&i| {
+                let a = &self.active[i];
+                DraftRequest { id: a.id, history: &a.history, features: &a.features }
+            })
+            .collect();
+        let proposals = self.proposer.propose(&batch, depth, k, vocab)?;
+        if proposals.len() != drafted.len() {
+            return Err(Error::param(
+                "proposals",
+                proposals.len(),
+                format!("the proposer must give one per request ({})", drafted.len()),
+            ));
+        }
         for &i in drafted {
-            let a = &self.active[i];
-            let p = self.proposer.propose(&a.history, depth, k, vocab)?;
+            self.active[i].features.clear();
+        }
+        for p in &proposals {
             if p.ids.len() != depth * k || p.logp.len() != depth * k {
                 return Err(Error::shape("proposal", format!("[{depth}, {k}]"), depth * k, p.ids.len()));
             }
             if let Some(&t) = p.ids.iter().find(|&&t| t < 0 || t as usize >= vocab) {
                 return Err(Error::param("proposal", t, format!("token ids must be in 0..{vocab}")));
             }
-            ids.extend(p.ids);
-            logp.extend(p.logp);
+        }
+        Ok(proposals)
+    }
+
+    /// The best-first trees of `drafted` (indices into `active`) over their proposals.
+    fn build_trees(&self, drafted: &[usize], proposals: &[Proposal]) -> Result<DraftTree> {
+        let (budget, k) = self.draft_shape();
+        let (mut ids, mut logp, mut roots, mut lens) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (&i, p) in drafted.iter().zip(proposals) {
+            let a = &self.active[i];
+            ids.extend_from_slice(&p.ids);
+            logp.extend_from_slice(&p.logp);
             roots.push(*a.history.last().expect("a request has tokens") as i32);
             lens.push((a.history.len() - 1) as i32);
         }
-        let shape = TreeShape::new(drafted.len(), depth, budget)?;
+        let shape = TreeShape::new(drafted.len(), self.config.depth(), budget)?;
         build_trees(shape, k, &ids, &logp, &roots, &lens)
     }
 
@@ -349,10 +469,11 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
         &mut self,
         drafted: &[usize],
         tree: &DraftTree,
-        argmax: &[u32],
+        step: &Chosen,
+        first_row: usize,
         n_rows: usize,
     ) -> Result<Vec<(usize, Vec<u32>)>> {
-        let argmax: Vec<i32> = argmax.iter().map(|&t| t as i32).collect();
+        let argmax: Vec<i32> = step.tokens[first_row..].iter().map(|&t| t as i32).collect();
         let acc = accept_from_argmax(tree, &argmax)?;
         let width = acc.depth + 1;
         let paths: Vec<Vec<usize>> = (0..drafted.len())
@@ -373,6 +494,8 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
             for d in 0..a {
                 self.stats.accepted_by_depth[d] += 1;
             }
+            let base = first_row + b * n_rows;
+            self.active[i].features.extend(step.features(paths[b].iter().map(|&r| base + r)));
             emitted.push((i, acc.emitted[b * width..b * width + a + 1].iter().map(|&t| t as u32).collect()));
         }
         Ok(emitted)
@@ -407,15 +530,45 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
         ended.sort_unstable();
         for i in ended.into_iter().rev() {
             let a = self.active.remove(i);
+            self.proposer.release(a.id)?;
             self.cache.remove_sequence(a.seq)?;
         }
         Ok(out)
     }
 }
 
+/// A step's chosen tokens and, when the proposer reads them, every step token's hidden states.
+struct Chosen {
+    tokens: Vec<u32>,
+    /// `[layers, step_tokens, hidden]`.
+    hidden: Vec<f32>,
+    layers: usize,
+    step_tokens: usize,
+    hidden_size: usize,
+}
+
+impl Chosen {
+    /// The context features of the step tokens `tokens`: per token its layers' hidden states one after
+    /// another (empty when the step read none).
+    fn features(&self, tokens: impl IntoIterator<Item = usize>) -> Vec<f32> {
+        let (t, h) = (self.step_tokens, self.hidden_size);
+        let mut out = Vec::new();
+        if self.layers == 0 {
+            return out;
+        }
+        for j in tokens {
+            for l in 0..self.layers {
+                out.extend_from_slice(&self.hidden[(l * t + j) * h..(l * t + j + 1) * h]);
+            }
+        }
+        out
+    }
+}
+
 /// Runs a step and picks each returned row's token: the argmax of a greedy request's row (on the
 /// backend when no request in the step samples), a sample of a sampling request's row at the position
-/// `rows[r].1` predicts. `rows[r].0` is the row's request (an index into `active`).
+/// `rows[r].1` predicts. `rows[r].0` is the row's request (an index into `active`). With `layers`, the
+/// step also returns every token's hidden states there.
 fn choose<B: Backend>(
     model: &Model<B>,
     cache: &mut KvCache<B>,
@@ -423,15 +576,35 @@ fn choose<B: Backend>(
     requests: &[StepRequest],
     which: Logits,
     rows: &[(usize, usize)],
-) -> Result<Vec<u32>> {
-    if rows.iter().all(|&(i, _)| active[i].params.sampling.is_none()) {
-        return model.step_argmax(cache, requests, which);
-    }
+    layers: &[usize],
+) -> Result<Chosen> {
+    let sampling = rows.iter().any(|&(i, _)| active[i].params.sampling.is_some());
+    let mut chosen = Chosen {
+        tokens: Vec::new(),
+        hidden: Vec::new(),
+        layers: layers.len(),
+        step_tokens: requests.iter().map(|r| r.tokens.len()).sum(),
+        hidden_size: model.config().hidden_size,
+    };
+    let logits = match (layers.is_empty(), sampling) {
+        (true, false) => {
+            chosen.tokens = model.step_argmax(cache, requests, which)?;
+            return Ok(chosen);
+        }
+        (true, true) => model.step(cache, requests, which)?,
+        (false, _) => {
+            let step = model.step_hidden(cache, requests, which, layers, sampling)?;
+            chosen.hidden = step.hidden;
+            if !sampling {
+                chosen.tokens = step.argmax;
+                return Ok(chosen);
+            }
+            step.logits
+        }
+    };
     let vocab = model.config().vocab_size;
-    let logits = model.step(cache, requests, which)?;
-    let mut out = Vec::with_capacity(rows.len());
     for (row, &(i, position)) in logits.chunks(vocab).zip(rows) {
-        out.push(match &active[i].params.sampling {
+        chosen.tokens.push(match &active[i].params.sampling {
             Some(s) => s.choose(row, position),
             None => {
                 let mut best = [0i32];
@@ -440,7 +613,7 @@ fn choose<B: Backend>(
             }
         });
     }
-    Ok(out)
+    Ok(chosen)
 }
 
 /// A batch of trees as the model step takes them: per row its token, depth and visibility words.

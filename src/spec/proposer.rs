@@ -7,6 +7,8 @@ use std::collections::BTreeMap;
 
 use crate::error::{Error, Result};
 
+use super::engine::RequestId;
+
 /// The candidates of a proposal for one sequence: `[depth, k]` ids and log-probs, best first per position.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Proposal {
@@ -16,11 +18,40 @@ pub struct Proposal {
     pub logp: Vec<f32>,
 }
 
+/// One sequence's part of a [`Proposer::propose`] call.
+#[derive(Clone, Copy, Debug)]
+pub struct DraftRequest<'a> {
+    /// The engine's request: a proposer that keeps state per sequence keys it by this.
+    pub id: RequestId,
+    /// The sequence's tokens so far; the last is the one the target emitted last (the bonus token, the
+    /// root of the tree), every other one is in the target's cache.
+    pub history: &'a [u32],
+    /// The target's hidden states at [`Proposer::feature_layers`] of the tokens that entered its cache
+    /// since this request's previous proposal (all of them at the first): per token the layers'
+    /// `hidden_size` values one after another, tokens in order. Empty for a proposer that reads none.
+    pub features: &'a [f32],
+}
+
 /// Proposes the continuation of sequences.
 pub trait Proposer {
-    /// Candidates for the `depth` positions after `history` (the sequence's tokens so far, its last token
-    /// the one the target emitted last), `k` per position, for a vocabulary of `vocab` ids.
-    fn propose(&mut self, history: &[u32], depth: usize, k: usize, vocab: usize) -> Result<Proposal>;
+    /// The target layers whose hidden states the proposer reads (none by default).
+    fn feature_layers(&self) -> &[usize] {
+        &[]
+    }
+
+    /// The only block size the proposer drafts, if it has one (a drafter trained for it).
+    fn block_size(&self) -> Option<usize> {
+        None
+    }
+
+    /// Candidates for the `depth` positions after each request's history, `k` per position, for a
+    /// vocabulary of `vocab` ids: one proposal per request, in order.
+    fn propose(&mut self, batch: &[DraftRequest], depth: usize, k: usize, vocab: usize) -> Result<Vec<Proposal>>;
+
+    /// Forgets a request that ended (its state, its cache pages).
+    fn release(&mut self, _id: RequestId) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Prompt-lookup drafting (vLLM's `ngram` method): the longest suffix of the history, of at most
@@ -59,7 +90,14 @@ impl NgramProposer {
 }
 
 impl Proposer for NgramProposer {
-    fn propose(&mut self, history: &[u32], depth: usize, k: usize, vocab: usize) -> Result<Proposal> {
+    fn propose(&mut self, batch: &[DraftRequest], depth: usize, k: usize, vocab: usize) -> Result<Vec<Proposal>> {
+        batch.iter().map(|r| self.propose_one(r.history, depth, k, vocab)).collect()
+    }
+}
+
+impl NgramProposer {
+    /// The proposal for one history.
+    fn propose_one(&self, history: &[u32], depth: usize, k: usize, vocab: usize) -> Result<Proposal> {
         if depth == 0 || k == 0 || k > vocab {
             return Err(Error::param(
                 "depth, k",
@@ -102,7 +140,7 @@ mod tests {
     fn the_longest_repeated_suffix_proposes_what_followed_it() {
         // "1 2 3" occurred twice before, followed by 4 then 5, and by 9 then 5.
         let history = [1, 2, 3, 4, 5, 1, 2, 3, 9, 5, 7, 1, 2, 3];
-        let p = NgramProposer::default().propose(&history, 2, 2, 16).unwrap();
+        let p = NgramProposer::default().propose_one(&history, 2, 2, 16).unwrap();
         assert_eq!(p.ids, vec![4, 9, 5, 0]);
         let half = 0.5f32.ln();
         assert_eq!(p.logp, vec![half, half, 0.0, f32::NEG_INFINITY]);
@@ -110,10 +148,10 @@ mod tests {
 
     #[test]
     fn no_match_gives_fillers_at_minus_infinity() {
-        let p = NgramProposer::default().propose(&[5, 6, 7], 3, 1, 8).unwrap();
+        let p = NgramProposer::default().propose_one(&[5, 6, 7], 3, 1, 8).unwrap();
         assert_eq!(p.ids, vec![0, 0, 0]);
         assert!(p.logp.iter().all(|&l| l == f32::NEG_INFINITY));
-        assert!(NgramProposer::default().propose(&[1], 0, 1, 8).is_err());
-        assert!(NgramProposer::default().propose(&[1], 1, 9, 8).is_err());
+        assert!(NgramProposer::default().propose_one(&[1], 0, 1, 8).is_err());
+        assert!(NgramProposer::default().propose_one(&[1], 1, 9, 8).is_err());
     }
 }

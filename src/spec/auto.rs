@@ -1,0 +1,172 @@
+//! `auto`: the cost-aware tree budget (ENGINE.md §7). One best-first build of the largest budget serves
+//! every smaller one (its first rows, [`crate::types::DraftTree::first_rows`]); the expected accepted
+//! drafts of a budget are the sum of its nodes' path probabilities under the draft. Each step takes the
+//! budget, 0 (a plain decode step) included, with the most expected tokens per second of target step,
+//! from step times measured on the model itself at the step's batch bucket the first time one is needed.
+//! Drafting is backed off (1, 2, 4 … 16 steps) while even the best budget, counting the draft's own time,
+//! is slower than plain decoding; greedy output does not depend on any of these choices.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::model::backend::Backend;
+use crate::model::{Logits, Model, StepRequest, TreeInput};
+use crate::types::DraftTree;
+
+use super::proposer::Proposal;
+
+/// Longest drafting back-off, in steps.
+const MAX_BACKOFF: usize = 16;
+
+/// Timed repetitions of a measured step (after two untimed ones); the fastest counts.
+const REPEATS: usize = 3;
+
+/// Target step times by (batch bucket, rows per sequence), measured when first asked for.
+pub(super) struct StepTimes {
+    budgets: Vec<usize>,
+    table: HashMap<(usize, usize), f64>,
+}
+
+impl StepTimes {
+    /// A table for budgets 0, 1, 2, 4, … up to `max_budget` (and `max_budget` itself).
+    pub(super) fn new(max_budget: usize) -> Self {
+        let mut budgets: Vec<usize> = std::iter::once(0)
+            .chain(std::iter::successors(Some(1usize), |b| Some(b * 2)).take_while(|&b| b < max_budget))
+            .collect();
+        budgets.push(max_budget);
+        budgets.dedup();
+        StepTimes { budgets, table: HashMap::new() }
+    }
+
+    /// Seconds of a target step of `batch` sequences with `rows` rows each (decode rows for 1, chain
+    /// trees above), at the power-of-two bucket of `batch`.
+    fn seconds<B: Backend>(&mut self, model: &Model<B>, batch: usize, rows: usize, layers: &[usize]) -> Result<f64> {
+        let bucket = batch.next_power_of_two();
+        if let Some(&t) = self.table.get(&(bucket, rows)) {
+            return Ok(t);
+        }
+        let t = time_step(model, bucket, rows, layers)?;
+        self.table.insert((bucket, rows), t);
+        Ok(t)
+    }
+}
+
+/// The fastest of [`REPEATS`] target steps of `batch` one-token sequences, each with `rows` rows.
+fn time_step<B: Backend>(model: &Model<B>, batch: usize, rows: usize, layers: &[usize]) -> Result<f64> {
+    const PAGE: usize = 16;
+    let room = rows + REPEATS + 4;
+    let mut cache = model.new_cache(batch * room.div_ceil(PAGE), PAGE, room)?;
+    let seqs: Vec<usize> = (0..batch).map(|_| cache.add_sequence()).collect();
+    let token = [0u32];
+    let first: Vec<StepRequest> = seqs.iter().map(|&seq| StepRequest { seq, tokens: &token, tree: None }).collect();
+    model.step_argmax(&mut cache, &first, Logits::Last)?;
+    let tokens = vec![0u32; rows];
+    let depth: Vec<u32> = (0..rows as u32).collect();
+    let words = rows.div_ceil(32);
+    let mut visibility = vec![0u32; rows * words];
+    for i in 0..rows {
+        for j in 0..=i {
+            visibility[i * words + j / 32] |= 1 << (j % 32);
+        }
+    }
+    let tree = (rows > 1).then_some(TreeInput { depth: &depth, visibility: &visibility });
+    let requests: Vec<StepRequest> = seqs.iter().map(|&seq| StepRequest { seq, tokens: &tokens, tree }).collect();
+    let mut best = f64::INFINITY;
+    for run in 0..REPEATS + 2 {
+        let started = Instant::now();
+        if layers.is_empty() {
+            model.step_argmax(&mut cache, &requests, Logits::All)?;
+        } else {
+            model.step_hidden(&mut cache, &requests, Logits::All, layers, false)?;
+        }
+        if run >= 2 {
+            best = best.min(started.elapsed().as_secs_f64());
+        }
+    }
+    Ok(best)
+}
+
+/// Per budget of `budgets`, the tokens a step is expected to emit: 1 for each of `plain` requests, and
+/// for each tree 1 plus its first nodes' path probabilities under the draft (`proposals[b]`: `[depth,
+/// k]` candidates per position, log-probabilities).
+pub(super) fn expected_tokens(
+    tree: &DraftTree,
+    proposals: &[Proposal],
+    k: usize,
+    plain: usize,
+) -> Result<impl Fn(usize) -> f64> {
+    let n = tree.shape.rows();
+    let mut path_probs = Vec::with_capacity(tree.shape.bs);
+    for (b, p) in proposals.iter().enumerate().take(tree.shape.bs) {
+        let base = b * n;
+        let mut logp = vec![0f64; n];
+        let mut probs = Vec::new();
+        for i in 1..=tree.num_nodes[b] as usize {
+            let (d, token) = (tree.node_depth[base + i] as usize, tree.node_token[base + i]);
+            let candidates = (d - 1) * k..d * k;
+            let j = p.ids[candidates.clone()].iter().position(|&t| t == token).ok_or_else(|| {
+                Error::param("tree", token, format!("row {i}: its token is not a candidate at depth {d}"))
+            })?;
+            let parent = tree.parent[base + i] as usize;
+            logp[i] = logp[parent] + p.logp[candidates.start + j] as f64;
+            probs.push(logp[i].exp());
+        }
+        path_probs.push(probs);
+    }
+    Ok(move |budget: usize| {
+        plain as f64 + path_probs.iter().map(|p| 1.0 + p.iter().take(budget).sum::<f64>()).sum::<f64>()
+    })
+}
+
+/// `auto`'s state: the step-time table and the drafting back-off.
+pub(super) struct AutoBudget {
+    times: StepTimes,
+    skip: usize,
+    backoff: usize,
+}
+
+impl AutoBudget {
+    pub(super) fn new(times: StepTimes) -> Self {
+        AutoBudget { times, skip: 0, backoff: 1 }
+    }
+
+    /// Whether this step skips drafting (a back-off step); counts it.
+    pub(super) fn skip_drafting(&mut self) -> bool {
+        if self.skip > 0 {
+            self.skip -= 1;
+            return true;
+        }
+        false
+    }
+
+    /// The budget of this step of `batch` sequences: the most expected tokens (`expected(budget)`) per
+    /// second of target step (the draft is already made). Starts a back-off when the best budget,
+    /// counting `draft` time, is slower than a plain step.
+    pub(super) fn choose<B: Backend>(
+        &mut self,
+        model: &Model<B>,
+        expected: &impl Fn(usize) -> f64,
+        batch: usize,
+        draft: Duration,
+        layers: &[usize],
+    ) -> Result<usize> {
+        let plain_rate = batch as f64 / self.times.seconds(model, batch, 1, layers)?;
+        let (mut best, mut best_rate, mut drafted_rate) = (0, plain_rate, 0f64);
+        for budget in self.times.budgets.clone().into_iter().filter(|&b| b > 0) {
+            let t = self.times.seconds(model, batch, budget + 1, layers)?;
+            let tokens = expected(budget);
+            if tokens / t > best_rate {
+                (best, best_rate) = (budget, tokens / t);
+            }
+            drafted_rate = drafted_rate.max(tokens / (t + draft.as_secs_f64()));
+        }
+        if drafted_rate < plain_rate {
+            self.skip = self.backoff;
+            self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+        } else {
+            self.backoff = 1;
+        }
+        Ok(best)
+    }
+}
