@@ -237,5 +237,19 @@ fn drive<B: Backend, P: Proposer>(
     );
     let budgets: Vec<String> = stats.steps_by_budget.iter().map(|(b, n)| format!("B {b}: {n}")).collect();
     eprintln!("steps by tree budget: {}", budgets.join(", "));
+    let st = &stats.stages;
+    eprintln!(
+        "stages: prefill {:.2?}, draft {:.2?}, tree build {:.2?}, verify {:.2?}, accept {:.2?}, compaction {:.2?}, \
+         host {:.2?}; TTFT {:.2?}, TPOT {:.2?}",
+        st.prefill,
+        st.draft,
+        st.tree_build,
+        st.verify,
+        st.accept,
+        st.compaction,
+        st.host,
+        stats.mean_ttft(),
+        stats.mean_tpot()
+    );
     Ok(())
 }

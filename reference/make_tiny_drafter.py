@@ -6,7 +6,8 @@ the Rust loader reads (src/model/drafter.rs):
   fixtures/tiny_model/drafter/model.safetensors  fc.weight [H, k*H], hidden_norm.weight, norm.weight and
                                                  layers.{i}.* named like the target's model.layers.{i}.*
 
-Its weights are random (normal, scaled by 1/sqrt(fan-in); norms 1), so its drafts mean nothing: it exists so
+Its weights are random (normal, scaled by 1/sqrt(fan-in); norm weights 1 + 0.25 normal, so that no norm
+is an identity a wrong drafter could hide behind), so its drafts mean nothing: it exists so
 that every drafter path (context features, block step, top-K, the engine's bookkeeping) runs in tests
 before a trained drafter does. Deterministic (fixed seed); needs numpy only. CI does not run it: the output
 is committed.
@@ -72,21 +73,22 @@ def main():
         w = rng.standard_normal((out, inp)).astype(np.float32) / np.sqrt(inp)
         tensors[name] = ("BF16", (out, inp), f32_to_bf16_bits(w).tobytes())
 
-    def ones(name, dim):
-        tensors[name] = ("BF16", (dim,), f32_to_bf16_bits(np.ones(dim, np.float32)).tobytes())
+    def norm(name, dim):
+        w = 1.0 + 0.25 * rng.standard_normal(dim).astype(np.float32)
+        tensors[name] = ("BF16", (dim,), f32_to_bf16_bits(w).tobytes())
 
     linear("fc.weight", h, len(TARGET_LAYER_IDS) * h)
-    ones("hidden_norm.weight", h)
-    ones("norm.weight", h)
+    norm("hidden_norm.weight", h)
+    norm("norm.weight", h)
     for i in range(LAYERS):
         p = f"layers.{i}"
-        ones(f"{p}.input_layernorm.weight", h)
-        ones(f"{p}.post_attention_layernorm.weight", h)
+        norm(f"{p}.input_layernorm.weight", h)
+        norm(f"{p}.post_attention_layernorm.weight", h)
         linear(f"{p}.self_attn.q_a_proj.weight", q_rank, h)
-        ones(f"{p}.self_attn.q_a_layernorm.weight", q_rank)
+        norm(f"{p}.self_attn.q_a_layernorm.weight", q_rank)
         linear(f"{p}.self_attn.q_b_proj.weight", heads * (nope + rope), q_rank)
         linear(f"{p}.self_attn.kv_a_proj_with_mqa.weight", latent + rope, h)
-        ones(f"{p}.self_attn.kv_a_layernorm.weight", latent)
+        norm(f"{p}.self_attn.kv_a_layernorm.weight", latent)
         linear(f"{p}.self_attn.kv_b_proj.weight", heads * (nope + v), latent)
         linear(f"{p}.self_attn.o_proj.weight", h, heads * v)
         linear(f"{p}.mlp.gate_proj.weight", inter, h)

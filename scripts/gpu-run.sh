@@ -11,7 +11,9 @@
 #        step: the Kimi-K2-shaped step table (examples/bench_step, random weights, 64 and 8 heads)
 #        engine: the engine's tok/s table beside transformers' (examples/bench_generate, scripts/hf_generate_bench.py)
 #        kernels: the tiny checkpoint's decode step, each kernel timed alone by ncu, summed
-#        spec: greedy generation in every speculative mode (examples/generate --mode), batch 1 and 8
+#        spec: greedy generation in every speculative mode (examples/generate --mode), prompt lookup and the
+#        tiny random DFlash drafter, batch SPEC_BATCHES (default 1 4 8 16 64; the drafter's rows at
+#        SPEC_DRAFTER_BATCHES, default 1 8)
 #        sanitize: memcheck and racecheck of every test of every binary, SANITIZE_JOBS (default 8)
 #        (tool, binary) jobs at a time, each with --test-threads SANITIZE_THREADS (default 2) and, when
 #        SANITIZE_TIMEOUT (seconds) is set, killed after that long; sanitize:quick only the fixture and
@@ -194,13 +196,22 @@ run_kernel_sum() {
 # Greedy generation through the speculative engine (examples/generate, prompt-lookup drafts) on the tiny
 # checkpoint: every mode at batch 1 and 8, 256 tokens; the rate and the acceptance counters of each.
 run_spec() {
-    local batch spec mode budget
-    for batch in 1 8; do
-        for spec in ar:16 chain:16 ddtree:8 ddtree:16 ddtree:32 ddtree:64; do
-            mode=${spec%%:*} budget=${spec#*:}
-            gpu-pack/examples/generate --gpu --mode "$mode" --budget "$budget" --batch $batch --max-tokens 256 \
-                >"$logs/spec-$mode-b$budget-bs$batch.log" 2>&1
-            note "spec $mode B $budget batch $batch: exit $? | $(tail -2 "$logs/spec-$mode-b$budget-bs$batch.log" | tr '\n' ' ' | tail -c 400)"
+    local batch batches spec mode budget proposer flag log
+    note "spec | proposer | mode | budget | batch | tok/s | mean accepted length | steps by budget | stages"
+    for proposer in ngram dflash; do
+        flag="" batches=${SPEC_BATCHES:-1 4 8 16 64}
+        [ $proposer = dflash ] && flag="--drafter fixtures/tiny_model/drafter" batches=${SPEC_DRAFTER_BATCHES:-1 8}
+        for batch in $batches; do
+            for spec in ar:16 chain:16 ddtree:8 ddtree:16 ddtree:32 ddtree:64 auto:64; do
+                mode=${spec%%:*} budget=${spec#*:}
+                log=$logs/spec-$proposer-$mode-b$budget-bs$batch.log
+                # shellcheck disable=SC2086  # flag is empty or two words
+                gpu-pack/examples/generate --gpu --mode "$mode" --budget "$budget" --batch $batch --max-tokens 256 \
+                    $flag >"$log" 2>&1
+                note "spec | $proposer | $mode | $budget | $batch | $(grep -o '[0-9.]* tok/s' "$log" | tail -1) | \
+$(grep -o 'mean accepted length [0-9.]*' "$log" | awk '{print $4}') | $(grep 'steps by tree budget' "$log" | cut -d: -f2-) | \
+$(grep '^stages' "$log" | cut -d: -f2-)"
+            done
         done
     done
 }

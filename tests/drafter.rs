@@ -1,13 +1,24 @@
-//! The DFlash drafter (src/model/drafter.rs): its loader names every mismatch with the target; a draft
-//! does not depend on the batch it runs in nor on how its context was written (all at once or in
+//! The DFlash drafter (src/model/drafter.rs): its block draft against transformers' DeepSeek-V3 modules
+//! (reference/drafter_reference.py), with four wrong drafters shown to fail the same bound; its loader
+//! names every mismatch with the target; a draft does not depend on the batch it runs in nor on how its context was written (all at once or in
 //! pieces), and its block rows are not committed; bad context is an error. One test body per property, run on the CPU here and on CUDA in `mod cuda`.
 
 mod common;
 
 use std::path::{Path, PathBuf};
 
+use kdtree_engine::fixture::Fixture;
 use kdtree_engine::model::backend::Backend;
 use kdtree_engine::model::{BlockDraft, Drafter, Logits, Model, StepRequest};
+
+/// Bound on each masked row's relative L2 error (log-probs, centred) against the float32 transformers
+/// reference: twice the worst error observed on a correct implementation (see `REFERENCE_OBSERVED`).
+const MAX_ROW_REL: f64 = 2.0 * REFERENCE_OBSERVED;
+/// The worst row error of the CPU backend over every case (the CUDA backend within it): the bf16
+/// rounding of the activations the kernels take, as for the target (tests/model_forward.rs).
+const REFERENCE_OBSERVED: f64 = 3.0e-3;
+/// The wrong drafters of the reference, each of which must fail the bound.
+const WRONG_DRAFTERS: [&str; 4] = ["logp_causal", "logp_normed_context", "logp_no_hidden_norm", "logp_shifted"];
 
 fn tiny_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny_model")
@@ -99,6 +110,60 @@ fn check_drafts_are_batch_and_history_invariant<B: Backend>(model: &Model<B>, dr
     assert_ne!(bits(&want[0].logp), bits(&want[2].logp), "{label}: two prompts' drafts are identical");
 }
 
+/// Worst relative L2 error of the rows of `got` against `want` (`[rows, width]`), each row centred first
+/// (log-probs differ from logits by a per-row constant).
+fn worst_centred_rel(got: &[f32], want: &[f32], width: usize) -> f64 {
+    fn centred(r: &[f32]) -> Vec<f64> {
+        let mean = r.iter().map(|&v| v as f64).sum::<f64>() / r.len() as f64;
+        r.iter().map(|&v| v as f64 - mean).collect()
+    }
+    got.chunks(width)
+        .zip(want.chunks(width))
+        .map(|(g, w)| {
+            let (mut diff, mut norm) = (0f64, 0f64);
+            for (a, b) in centred(g).into_iter().zip(centred(w)) {
+                diff += (a - b) * (a - b);
+                norm += b * b;
+            }
+            (diff / norm).sqrt()
+        })
+        .fold(0.0, f64::max)
+}
+
+fn check_against_transformers<B: Backend>(drafter: &Drafter<B>, label: &str) {
+    let cases = Fixture::cases(drafter_dir(), "reference").unwrap();
+    assert!(!cases.is_empty(), "no drafter reference: run `python reference/drafter_reference.py`");
+    for case in cases {
+        let (context, bonus, vocab) =
+            (case.usize("context").unwrap(), case.usize("bonus").unwrap(), case.usize("vocab").unwrap());
+        let features: Vec<f32> = case.array("features").unwrap();
+        let mut cache = drafter.new_cache(16, 16, 64).unwrap();
+        let seq = cache.add_sequence();
+        drafter.write_context(&mut cache, &[(seq, context)], &features).unwrap();
+        let d = drafter.draft(&mut cache, &[(seq, bonus as u32)], Some(vocab)).unwrap().remove(0);
+        let mut got = vec![0f32; d.logp.len()];
+        for (row, (ids, logp)) in d.ids.chunks(vocab).zip(d.logp.chunks(vocab)).enumerate() {
+            for (&id, &l) in ids.iter().zip(logp) {
+                got[row * vocab + id as usize] = l;
+            }
+        }
+        let err = worst_centred_rel(&got, &case.array::<f32>("logp").unwrap(), vocab);
+        println!("{label} {}: worst row error {err:.3e} (bound {MAX_ROW_REL:.1e})", case.name());
+        assert!(err <= MAX_ROW_REL, "{label} {}: worst row error {err:.3e} > {MAX_ROW_REL:.1e}", case.name());
+        for wrong in WRONG_DRAFTERS {
+            let e = worst_centred_rel(&got, &case.array::<f32>(wrong).unwrap(), vocab);
+            println!("{label} {}: against {wrong}: {e:.3e}", case.name());
+            assert!(e > MAX_ROW_REL, "{label} {}: {wrong} passes the bound ({e:.3e})", case.name());
+        }
+    }
+}
+
+#[test]
+fn drafts_match_transformers() {
+    let model = Model::load(tiny_dir()).unwrap();
+    check_against_transformers(&Drafter::load(drafter_dir(), &model).unwrap(), "cpu");
+}
+
 #[test]
 fn drafts_are_batch_and_history_invariant() {
     let model = Model::load(tiny_dir()).unwrap();
@@ -177,6 +242,7 @@ mod cuda {
         let gpu = Gpu::new(0).expect("a CUDA device is present, so it must open");
         let model = Model::load_on(tiny_dir(), CudaBackend::new(gpu).unwrap()).unwrap();
         let drafter = Drafter::load(drafter_dir(), &model).unwrap();
+        check_against_transformers(&drafter, "cuda");
         for graphs in [false, true] {
             drafter.model().set_graphs(graphs);
             check_drafts_are_batch_and_history_invariant(&model, &drafter, &format!("cuda, graphs {graphs}"));

@@ -2,7 +2,7 @@
 //! prefill of the requests that joined, or one decode / verify step of all the others.
 
 use std::collections::BTreeMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::cpu::greedy_accept::accept_from_argmax;
 use crate::cpu::tree_build::build_trees;
@@ -156,12 +156,56 @@ pub struct SpecStats {
     pub accepted_by_depth: Vec<u64>,
     /// Decode and verify steps by the tree budget they ran (0: a plain decode step).
     pub steps_by_budget: BTreeMap<usize, u64>,
+    /// Where the steps' time went.
+    pub stages: StageTimes,
+    /// Requests finished (ended by length or a stop token; cancelled ones not counted).
+    pub finished: u64,
+    /// Summed over the finished requests: time from `add_request` to the end of the step that emitted
+    /// the first token.
+    pub ttft_total: Duration,
+    /// Summed over the finished requests that emitted at least two tokens: the time after the first
+    /// token divided by the tokens after it.
+    pub tpot_total: Duration,
+    /// Finished requests that emitted at least two tokens.
+    pub tpot_requests: u64,
+}
+
+/// Wall-clock time of the parts of the engine's steps, summed over the run. Each part that reads a
+/// result from the backend waits for its work there, so a part's time includes its own backend work
+/// (on CUDA the drafter's step and top-K are in `draft`, the target's step and its read-back in
+/// `verify`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StageTimes {
+    /// Prefill steps (the target's prompt steps).
+    pub prefill: Duration,
+    /// The proposer: context writes, the draft step, top-K.
+    pub draft: Duration,
+    /// Tree build (and `auto`'s budget choice, its step-time measurements included).
+    pub tree_build: Duration,
+    /// The target's decode / verify step, read-back included.
+    pub verify: Duration,
+    /// Greedy acceptance on the host.
+    pub accept: Duration,
+    /// The KV commit of the accepted rows.
+    pub compaction: Duration,
+    /// Everything else in the decode and verify steps: planning, stop handling, bookkeeping.
+    pub host: Duration,
 }
 
 impl SpecStats {
     /// 1 + accepted / drafts: tokens a verification emits on average (1 without drafts).
     pub fn mean_accepted_length(&self) -> f64 {
         1.0 + self.accepted as f64 / self.drafts.max(1) as f64
+    }
+
+    /// Mean time to first token of the finished requests.
+    pub fn mean_ttft(&self) -> Duration {
+        self.ttft_total / self.finished.max(1) as u32
+    }
+
+    /// Mean time per output token after the first, over the finished requests.
+    pub fn mean_tpot(&self) -> Duration {
+        self.tpot_total / self.tpot_requests.max(1) as u32
     }
 }
 
@@ -176,6 +220,8 @@ struct Active {
     generated: usize,
     /// Context features of the tokens cached since the proposer's last look at this request.
     features: Vec<f32>,
+    added: Instant,
+    first_token: Option<Instant>,
 }
 
 /// The speculative decoding engine over `model` with proposer `P` (see the module documentation).
@@ -274,6 +320,8 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
             params,
             generated: 0,
             features: Vec::new(),
+            added: Instant::now(),
+            first_token: None,
         });
         Ok(id)
     }
@@ -290,14 +338,26 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
     /// decode or verify step of every request. Returns each stepped request's new tokens.
     pub fn step(&mut self) -> Result<Vec<StepOutput>> {
         let fresh: Vec<usize> = (0..self.active.len()).filter(|&i| !self.active[i].prefilled).collect();
-        let emitted = if !fresh.is_empty() {
-            self.prefill(&fresh)?
-        } else if !self.active.is_empty() {
-            self.decode()?
-        } else {
+        let started = Instant::now();
+        if !fresh.is_empty() {
+            let emitted = self.prefill(&fresh)?;
+            self.stats.stages.prefill += started.elapsed();
+            return self.finish(emitted);
+        }
+        if self.active.is_empty() {
             return Ok(Vec::new());
-        };
-        self.finish(emitted)
+        }
+        let before = self.stats.stages.clone();
+        let emitted = self.decode()?;
+        let out = self.finish(emitted)?;
+        let st = &mut self.stats.stages;
+        let parts = (st.draft - before.draft)
+            + (st.tree_build - before.tree_build)
+            + (st.verify - before.verify)
+            + (st.accept - before.accept)
+            + (st.compaction - before.compaction);
+        st.host += started.elapsed().saturating_sub(parts);
+        Ok(out)
     }
 
     /// Runs steps until every request has finished; returns each request's tokens, in id order.
@@ -375,7 +435,9 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
             meta.extend(rows.depth[j * n_rows..(j + 1) * n_rows].iter().map(|&d| (i, len + d as usize)));
         }
         let layers = &self.feature_layers;
+        let verify = Instant::now();
         let step = choose(self.model, &mut self.cache, &self.active, &requests, Logits::All, &meta, layers)?;
+        self.stats.stages.verify += verify.elapsed();
         for (j, &i) in plain.iter().enumerate() {
             self.active[i].features.extend(step.features(j..j + 1));
         }
@@ -391,19 +453,25 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
     fn draft(&mut self, plain: &mut Vec<usize>, drafted: &mut Vec<usize>) -> Result<Option<DraftTree>> {
         let started = Instant::now();
         let proposals = self.propose(drafted)?;
+        let draft_time = started.elapsed();
+        self.stats.stages.draft += draft_time;
         let tree = self.build_trees(drafted, &proposals)?;
         if self.config.mode != Mode::Auto {
+            self.stats.stages.tree_build += started.elapsed() - draft_time;
             return Ok(Some(tree));
         }
         let (_, k) = self.draft_shape();
         let expected = super::auto::expected_tokens(&tree, &proposals, k, plain.len())?;
         let layers = &self.feature_layers;
-        let budget = self.auto.choose(self.model, &expected, plain.len() + drafted.len(), started.elapsed(), layers)?;
-        if budget == 0 {
+        let budget = self.auto.choose(self.model, &expected, plain.len() + drafted.len(), draft_time, layers)?;
+        let tree = if budget == 0 {
             plain.append(drafted);
-            return Ok(None);
-        }
-        Ok(Some(tree.first_rows(budget)?))
+            None
+        } else {
+            Some(tree.first_rows(budget)?)
+        };
+        self.stats.stages.tree_build += started.elapsed() - draft_time;
+        Ok(tree)
     }
 
     /// The tree budget and candidates per position of a full draft.
@@ -473,8 +541,10 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
         first_row: usize,
         n_rows: usize,
     ) -> Result<Vec<(usize, Vec<u32>)>> {
+        let started = Instant::now();
         let argmax: Vec<i32> = step.tokens[first_row..].iter().map(|&t| t as i32).collect();
         let acc = accept_from_argmax(tree, &argmax)?;
+        self.stats.stages.accept += started.elapsed();
         let width = acc.depth + 1;
         let paths: Vec<Vec<usize>> = (0..drafted.len())
             .map(|b| {
@@ -484,7 +554,9 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
             .collect();
         let commits: Vec<TreeCommit> =
             drafted.iter().zip(&paths).map(|(&i, rows)| TreeCommit { seq: self.active[i].seq, rows }).collect();
+        let started = Instant::now();
         self.cache.commit_trees(self.model.backend(), &commits, n_rows)?;
+        self.stats.stages.compaction += started.elapsed();
         let mut emitted = Vec::with_capacity(drafted.len());
         for (b, &i) in drafted.iter().enumerate() {
             let a = acc.accept_len[b] as usize;
@@ -506,8 +578,10 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
     fn finish(&mut self, emitted: Vec<(usize, Vec<u32>)>) -> Result<Vec<StepOutput>> {
         let mut out = Vec::with_capacity(emitted.len());
         let mut ended = Vec::new();
+        let now = Instant::now();
         for (i, tokens) in emitted {
             let a = &mut self.active[i];
+            a.first_token.get_or_insert(now);
             a.history.extend(&tokens);
             let mut kept = tokens;
             let mut finished = None;
@@ -530,10 +604,22 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
         ended.sort_unstable();
         for i in ended.into_iter().rev() {
             let a = self.active.remove(i);
+            self.record_latency(&a, now);
             self.proposer.release(a.id)?;
             self.cache.remove_sequence(a.seq)?;
         }
         Ok(out)
+    }
+
+    /// Adds a finished request's time to first token and time per output token to the stats.
+    fn record_latency(&mut self, a: &Active, now: Instant) {
+        let first = a.first_token.unwrap_or(now);
+        self.stats.finished += 1;
+        self.stats.ttft_total += first - a.added;
+        if a.generated >= 2 {
+            self.stats.tpot_total += (now - first) / (a.generated - 1) as u32;
+            self.stats.tpot_requests += 1;
+        }
     }
 }
 

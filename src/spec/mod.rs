@@ -15,6 +15,8 @@ mod proposer;
 mod sampling;
 
 pub use dflash::DflashProposer;
-pub use engine::{Engine, EngineConfig, FinishReason, Mode, RequestId, RequestParams, SpecStats, StepOutput};
+pub use engine::{
+    Engine, EngineConfig, FinishReason, Mode, RequestId, RequestParams, SpecStats, StageTimes, StepOutput,
+};
 pub use proposer::{DraftRequest, NgramProposer, Proposal, Proposer};
 pub use sampling::{sample, uniform, Sampling};
