@@ -14,9 +14,10 @@ use kdtree_engine::model::{BlockDraft, Drafter, Logits, Model, StepRequest};
 /// Bound on each masked row's relative L2 error (log-probs, centred) against the float32 transformers
 /// reference: twice the worst error observed on a correct implementation (see `REFERENCE_OBSERVED`).
 const MAX_ROW_REL: f64 = 2.0 * REFERENCE_OBSERVED;
-/// The worst row error of the CPU backend over every case (the CUDA backend within it): the bf16
-/// rounding of the activations the kernels take, as for the target (tests/model_forward.rs).
-const REFERENCE_OBSERVED: f64 = 3.0e-3;
+/// The worst row error observed over every case: CPU 5.52e-3, CUDA 5.56e-3 (H200), both at ctx9; the
+/// bf16 rounding of the activations the kernels take, as for the target (tests/model_forward.rs). The
+/// wrong drafters sit at 8e-2 and above.
+const REFERENCE_OBSERVED: f64 = 5.6e-3;
 /// The wrong drafters of the reference, each of which must fail the bound.
 const WRONG_DRAFTERS: [&str; 4] = ["logp_causal", "logp_normed_context", "logp_no_hidden_norm", "logp_shifted"];
 
