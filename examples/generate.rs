@@ -188,6 +188,11 @@ fn drive<B: Backend, P: Proposer>(
     load: std::time::Duration,
 ) -> Result<()> {
     let model = engine.model();
+    let warm = Instant::now();
+    engine.warm_up(args.batch)?;
+    if args.mode == Mode::Auto {
+        eprintln!("auto: step times of batch {} measured in {:.2?}", args.batch, warm.elapsed());
+    }
     print!("{text}");
     let params = RequestParams {
         max_tokens: args.max_tokens,

@@ -83,7 +83,7 @@ fn check_sampled_modes_equal_plain_sampling<B: Backend>(model: &Model<B>, label:
         PROMPTS.iter().enumerate().map(|(i, &(p, n))| (p, n, (i != 1).then(|| sampling(11 + i as u64)))).collect();
     let want: Vec<Vec<u32>> =
         requests.iter().map(|&(p, n, s)| s.map_or_else(|| greedy(model, p, n), |s| sampled(model, p, n, &s))).collect();
-    for (mode, budget) in [(Mode::Ar, 1), (Mode::Chain, 1), (Mode::DdTree, 16)] {
+    for (mode, budget) in [(Mode::Ar, 1), (Mode::Chain, 1), (Mode::DdTree, 16), (Mode::Auto, 16)] {
         let cfg = config(mode, budget, 16);
         let run = |reqs: &[(&[u32], usize, Option<Sampling>)]| {
             let mut engine = Engine::new(model, NgramProposer::default(), cfg).unwrap();

@@ -1227,6 +1227,11 @@ impl<B: Backend> KvCache<B> {
         self.free.len()
     }
 
+    /// Slots per page.
+    pub fn page_size(&self) -> usize {
+        self.layout.page_size
+    }
+
     /// Slots a sequence may hold (the `max_seq_len` the cache was made for, rounded up to whole pages).
     pub fn max_seq_len(&self) -> usize {
         self.layout.pages_per_req * self.layout.page_size

@@ -2,8 +2,9 @@
 //! every smaller one (its first rows, [`crate::types::DraftTree::first_rows`]); the expected accepted
 //! drafts of a budget are the sum of its nodes' path probabilities under the draft. Each step takes the
 //! budget, 0 (a plain decode step) included, with the most expected tokens per second of target step,
-//! from step times measured on the model itself at the step's batch bucket the first time one is needed.
-//! Drafting is backed off (1, 2, 4 … 16 steps) while even the best budget, counting the draft's own time,
+//! from step times measured on the model itself at the step's batch bucket ([`crate::spec::Engine::warm_up`]
+//! at start-up, else the first time a bucket is needed). Drafting is backed off (1, 2, 4 … 64 steps) while
+//! the draft costs a noticeable share of a step and even the best budget, counting the draft's own time,
 //! is slower than plain decoding; greedy output does not depend on any of these choices.
 
 use std::collections::HashMap;
@@ -11,13 +12,16 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::model::backend::Backend;
-use crate::model::{Logits, Model, StepRequest, TreeInput};
+use crate::model::{KvCache, Logits, Model, StepRequest, TreeInput};
 use crate::types::DraftTree;
 
 use super::proposer::Proposal;
 
 /// Longest drafting back-off, in steps.
-const MAX_BACKOFF: usize = 16;
+const MAX_BACKOFF: usize = 64;
+
+/// A draft shorter than this share of a plain step is never backed off: skipping it saves nothing.
+const NOTICEABLE_DRAFT: f64 = 0.05;
 
 /// Timed repetitions of a measured step (after two untimed ones); the fastest counts.
 const REPEATS: usize = 3;
@@ -39,28 +43,77 @@ impl StepTimes {
         StepTimes { budgets, table: HashMap::new() }
     }
 
+    /// Measures every budget's step at the bucket of `batch` that is not measured yet (see
+    /// [`StepTimes::seconds`]).
+    pub(super) fn measure<B: Backend>(
+        &mut self,
+        model: &Model<B>,
+        cache: &mut KvCache<B>,
+        batch: usize,
+        layers: &[usize],
+    ) -> Result<()> {
+        for budget in self.budgets.clone() {
+            self.seconds(model, cache, batch, budget + 1, layers)?;
+        }
+        Ok(())
+    }
+
     /// Seconds of a target step of `batch` sequences with `rows` rows each (decode rows for 1, chain
-    /// trees above), at the power-of-two bucket of `batch`.
-    fn seconds<B: Backend>(&mut self, model: &Model<B>, batch: usize, rows: usize, layers: &[usize]) -> Result<f64> {
+    /// trees above), at the power-of-two bucket of `batch`: measured on short sequences added to `cache`
+    /// for the purpose (the steps it records are the ones the engine replays), or on a cache of their
+    /// own when `cache` has too few free pages.
+    fn seconds<B: Backend>(
+        &mut self,
+        model: &Model<B>,
+        cache: &mut KvCache<B>,
+        batch: usize,
+        rows: usize,
+        layers: &[usize],
+    ) -> Result<f64> {
         let bucket = batch.next_power_of_two();
         if let Some(&t) = self.table.get(&(bucket, rows)) {
             return Ok(t);
         }
-        let t = time_step(model, bucket, rows, layers)?;
+        let room = rows + REPEATS + 4;
+        let pages = |c: &KvCache<B>| bucket * room.div_ceil(c.page_size());
+        let t = if cache.free_pages() >= pages(cache) && room <= cache.max_seq_len() {
+            time_step(model, cache, bucket, rows, layers)?
+        } else {
+            let mut own = model.new_cache(pages(cache), cache.page_size(), room)?;
+            time_step(model, &mut own, bucket, rows, layers)?
+        };
         self.table.insert((bucket, rows), t);
         Ok(t)
     }
 }
 
-/// The fastest of [`REPEATS`] target steps of `batch` one-token sequences, each with `rows` rows.
-fn time_step<B: Backend>(model: &Model<B>, batch: usize, rows: usize, layers: &[usize]) -> Result<f64> {
-    const PAGE: usize = 16;
-    let room = rows + REPEATS + 4;
-    let mut cache = model.new_cache(batch * room.div_ceil(PAGE), PAGE, room)?;
+/// The fastest of [`REPEATS`] target steps of `batch` one-token sequences added to `cache` (and removed
+/// after), each with `rows` rows.
+fn time_step<B: Backend>(
+    model: &Model<B>,
+    cache: &mut KvCache<B>,
+    batch: usize,
+    rows: usize,
+    layers: &[usize],
+) -> Result<f64> {
     let seqs: Vec<usize> = (0..batch).map(|_| cache.add_sequence()).collect();
+    let best = run_timed(model, cache, &seqs, rows, layers);
+    for &seq in &seqs {
+        cache.remove_sequence(seq)?;
+    }
+    best
+}
+
+fn run_timed<B: Backend>(
+    model: &Model<B>,
+    cache: &mut KvCache<B>,
+    seqs: &[usize],
+    rows: usize,
+    layers: &[usize],
+) -> Result<f64> {
     let token = [0u32];
     let first: Vec<StepRequest> = seqs.iter().map(|&seq| StepRequest { seq, tokens: &token, tree: None }).collect();
-    model.step_argmax(&mut cache, &first, Logits::Last)?;
+    model.step_argmax(cache, &first, Logits::Last)?;
     let tokens = vec![0u32; rows];
     let depth: Vec<u32> = (0..rows as u32).collect();
     let words = rows.div_ceil(32);
@@ -76,9 +129,9 @@ fn time_step<B: Backend>(model: &Model<B>, batch: usize, rows: usize, layers: &[
     for run in 0..REPEATS + 2 {
         let started = Instant::now();
         if layers.is_empty() {
-            model.step_argmax(&mut cache, &requests, Logits::All)?;
+            model.step_argmax(cache, &requests, Logits::All)?;
         } else {
-            model.step_hidden(&mut cache, &requests, Logits::All, layers, false)?;
+            model.step_hidden(cache, &requests, Logits::All, layers, false)?;
         }
         if run >= 2 {
             best = best.min(started.elapsed().as_secs_f64());
@@ -140,28 +193,42 @@ impl AutoBudget {
         false
     }
 
+    /// Measures the step times of the bucket of `batch` now (start-up), not at its first step.
+    pub(super) fn warm_up<B: Backend>(
+        &mut self,
+        model: &Model<B>,
+        cache: &mut KvCache<B>,
+        batch: usize,
+        layers: &[usize],
+    ) -> Result<()> {
+        self.times.measure(model, cache, batch, layers)
+    }
+
     /// The budget of this step of `batch` sequences: the most expected tokens (`expected(budget)`) per
-    /// second of target step (the draft is already made). Starts a back-off when the best budget,
-    /// counting `draft` time, is slower than a plain step.
+    /// second of target step (the draft is already made). Starts a back-off when the draft took a
+    /// noticeable share of a step and the best budget, counting `draft` time, is slower than a plain
+    /// step.
     pub(super) fn choose<B: Backend>(
         &mut self,
         model: &Model<B>,
+        cache: &mut KvCache<B>,
         expected: &impl Fn(usize) -> f64,
         batch: usize,
         draft: Duration,
         layers: &[usize],
     ) -> Result<usize> {
-        let plain_rate = batch as f64 / self.times.seconds(model, batch, 1, layers)?;
+        let plain = self.times.seconds(model, cache, batch, 1, layers)?;
+        let plain_rate = batch as f64 / plain;
         let (mut best, mut best_rate, mut drafted_rate) = (0, plain_rate, 0f64);
         for budget in self.times.budgets.clone().into_iter().filter(|&b| b > 0) {
-            let t = self.times.seconds(model, batch, budget + 1, layers)?;
+            let t = self.times.seconds(model, cache, batch, budget + 1, layers)?;
             let tokens = expected(budget);
             if tokens / t > best_rate {
                 (best, best_rate) = (budget, tokens / t);
             }
             drafted_rate = drafted_rate.max(tokens / (t + draft.as_secs_f64()));
         }
-        if drafted_rate < plain_rate {
+        if drafted_rate < plain_rate && draft.as_secs_f64() > NOTICEABLE_DRAFT * plain {
             self.skip = self.backoff;
             self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
         } else {

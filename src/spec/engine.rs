@@ -286,6 +286,16 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
         self.active.len()
     }
 
+    /// Measures, in `auto` mode, the target's step times for batches of up to `batch` requests (the
+    /// power-of-two bucket of it) and records the steps' graphs, so that the first steps of a run do not
+    /// pay for it; otherwise does nothing. Call it before adding requests: it uses free cache pages.
+    pub fn warm_up(&mut self, batch: usize) -> Result<()> {
+        if self.config.mode != Mode::Auto || batch == 0 {
+            return Ok(());
+        }
+        self.auto.warm_up(self.model, &mut self.cache, batch, &self.feature_layers)
+    }
+
     /// Queues a request; its prefill runs at the next step.
     pub fn add_request(&mut self, prompt: &[u32], params: RequestParams) -> Result<RequestId> {
         let vocab = self.model.config().vocab_size;
@@ -463,7 +473,8 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
         let (_, k) = self.draft_shape();
         let expected = super::auto::expected_tokens(&tree, &proposals, k, plain.len())?;
         let layers = &self.feature_layers;
-        let budget = self.auto.choose(self.model, &expected, plain.len() + drafted.len(), draft_time, layers)?;
+        let batch = plain.len() + drafted.len();
+        let budget = self.auto.choose(self.model, &mut self.cache, &expected, batch, draft_time, layers)?;
         let tree = if budget == 0 {
             plain.append(drafted);
             None
