@@ -44,7 +44,8 @@ impl StepTimes {
     }
 
     /// Measures every budget's step at the bucket of `batch` that is not measured yet (see
-    /// [`StepTimes::seconds`]).
+    /// [`StepTimes::seconds`]), the largest first: a step that grows the model's scratch drops the
+    /// recorded graphs, so growing it once keeps the smaller budgets' graphs for the run.
     pub(super) fn measure<B: Backend>(
         &mut self,
         model: &Model<B>,
@@ -52,7 +53,7 @@ impl StepTimes {
         batch: usize,
         layers: &[usize],
     ) -> Result<()> {
-        for budget in self.budgets.clone() {
+        for budget in self.budgets.clone().into_iter().rev() {
             self.seconds(model, cache, batch, budget + 1, layers)?;
         }
         Ok(())
@@ -217,6 +218,7 @@ impl AutoBudget {
         draft: Duration,
         layers: &[usize],
     ) -> Result<usize> {
+        self.times.measure(model, cache, batch, layers)?;
         let plain = self.times.seconds(model, cache, batch, 1, layers)?;
         let plain_rate = batch as f64 / plain;
         let (mut best, mut best_rate, mut drafted_rate) = (0, plain_rate, 0f64);
