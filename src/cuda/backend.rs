@@ -55,6 +55,27 @@ impl SizedMla {
     }
 }
 
+/// Tree-verify plans kept at most: more row counts than this in one run remake the oldest.
+const MAX_TREE_PLANS: usize = 16;
+
+/// The tree-verify plan of `dims`' rows and heads in `plans` (grown to cover `dims`, or made), moved to
+/// the end of the list.
+fn fit_tree_plan<'a>(
+    backend: &CudaBackend,
+    plans: &'a mut Vec<SizedMla>,
+    dims: (usize, usize, usize, usize),
+) -> Result<&'a mut MlaPlan> {
+    let same_shape = plans.iter().position(|m| m.dims.1 == dims.1 && m.dims.2 == dims.2);
+    let mut slot = same_shape.map(|i| plans.remove(i));
+    if slot.is_none() && plans.len() >= MAX_TREE_PLANS {
+        plans.remove(0);
+        backend.bump_epoch();
+    }
+    SizedMla::fit(backend, &mut slot, dims)?;
+    plans.extend(slot);
+    Ok(&mut plans.last_mut().expect("pushed above").plan)
+}
+
 /// One layer's cache for `requests` block-table rows.
 fn device_cache<'a>(inputs: &'a AttentionInputs<CudaBackend>, requests: usize) -> Result<DeviceCache<'a>> {
     Ok(DeviceCache {
@@ -103,7 +124,10 @@ struct SizedMoe {
 struct Plans {
     gemm: GemmPlan,
     mla: Option<SizedMla>,
-    tree_mla: Option<SizedMla>,
+    /// Tree-verify plans, one per (rows per request, heads): a drafter's block steps and the target's
+    /// trees of other sizes alternate, and remaking a plan would drop every recorded graph. The one used
+    /// last is at the end.
+    tree_mla: Vec<SizedMla>,
     moe: Option<SizedMoe>,
     /// Status word of the indexing row operations (embedding ids, cache slots, gathered rows).
     status: CudaSlice<i32>,
@@ -139,7 +163,7 @@ impl CudaBackend {
         let plans = Plans {
             gemm: GemmPlan::new(&gpu, 1, &[])?,
             mla: None,
-            tree_mla: None,
+            tree_mla: Vec::new(),
             moe: None,
             status: gpu.zeros(1)?,
             argmax_keys: gpu.zeros(1)?,
@@ -431,7 +455,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let TreeRows { bs, n_rows } = shape;
         let mut plans = self.plans();
-        let mla = SizedMla::fit(self, &mut plans.tree_mla, (bs, n_rows, heads, inputs.max_seq_len))?;
+        let mla = fit_tree_plan(self, &mut plans.tree_mla, (bs, n_rows, heads, inputs.max_seq_len))?;
         let cache = device_cache(inputs, bs)?;
         let q = rows_of(q, first_row, bs * n_rows, heads * ROW, "q")?;
         let seq_len = view(inputs.seq_len, bs, "seq_len")?;
@@ -515,7 +539,7 @@ impl Backend for CudaBackend {
         let words = [
             Some(plans.status.slice(0..1)),
             plans.mla.as_ref().map(|m| m.plan.status_word()),
-            plans.tree_mla.as_ref().map(|m| m.plan.status_word()),
+            plans.tree_mla.last().map(|m| m.plan.status_word()),
             plans.moe.as_ref().map(|m| m.plan.status_word()),
         ];
         for (word, host) in words.iter().zip(plans.status_host.iter_mut()) {
