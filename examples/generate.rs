@@ -203,6 +203,7 @@ fn drive<B: Backend, P: Proposer>(
             top_k: 0,
             seed: args.seed,
         }),
+        logprobs: None,
     };
     let ids: Vec<_> = (0..args.batch).map(|_| engine.add_request(prompt, params.clone())).collect::<Result<_>>()?;
     let begin = Instant::now();

@@ -13,7 +13,7 @@ use kdtree_engine::model::backend::Backend;
 use kdtree_engine::model::{Drafter, Logits, Model, StepRequest, TreeCommit, TreeInput};
 use kdtree_engine::spec::{
     DflashProposer, DraftRequest, Engine, EngineConfig, FinishReason, Mode, NgramProposer, Proposal, Proposer,
-    RequestId, RequestParams, Sampling,
+    RequestId, RequestParams, Sampling, TokenLogprob,
 };
 
 fn tiny_dir() -> PathBuf {
@@ -55,7 +55,7 @@ fn config(mode: Mode, budget: usize, block: usize) -> EngineConfig {
 }
 
 fn params(max_tokens: usize) -> RequestParams {
-    RequestParams { max_tokens, stop_tokens: Vec::new(), sampling: None }
+    RequestParams { max_tokens, stop_tokens: Vec::new(), sampling: None, logprobs: None }
 }
 
 /// Plain sampling: one token at a time through the model's logits, each chosen at its position.
@@ -88,7 +88,9 @@ fn check_sampled_modes_equal_plain_sampling<B: Backend>(model: &Model<B>, label:
         let run = |reqs: &[(&[u32], usize, Option<Sampling>)]| {
             let mut engine = Engine::new(model, NgramProposer::default(), cfg).unwrap();
             for &(p, n, sampling) in reqs {
-                engine.add_request(p, RequestParams { max_tokens: n, stop_tokens: Vec::new(), sampling }).unwrap();
+                engine
+                    .add_request(p, RequestParams { max_tokens: n, stop_tokens: Vec::new(), sampling, logprobs: None })
+                    .unwrap();
             }
             let out: Vec<Vec<u32>> = engine.run_to_end().unwrap().into_iter().map(|(_, t)| t).collect();
             (out, engine.stats().mean_accepted_length())
@@ -401,7 +403,9 @@ fn sampling_through_a_tree_follows_the_target_distribution() {
     let mut engine = Engine::new(&model, NgramProposer::default(), cfg).unwrap();
     for seed in 0..seeds as u64 {
         let sampling = Some(Sampling { temperature, top_p: 1.0, top_k: k, seed });
-        engine.add_request(prompt, RequestParams { max_tokens: 2, stop_tokens: Vec::new(), sampling }).unwrap();
+        engine
+            .add_request(prompt, RequestParams { max_tokens: 2, stop_tokens: Vec::new(), sampling, logprobs: None })
+            .unwrap();
     }
     let out = engine.run_to_end().unwrap();
     assert_eq!(engine.stats().drafts, seeds as u64, "every second token must come from a verify step");
@@ -412,6 +416,72 @@ fn sampling_through_a_tree_follows_the_target_distribution() {
     let (wrong, wrong_critical) = chi_square_pairs(&counts, &pair_probs(&model, prompt, 2.0 * temperature as f64, k));
     println!("against twice the temperature: chi-square {wrong:.2}, critical {wrong_critical:.2}");
     assert!(wrong > wrong_critical, "the test cannot tell temperature {} from {temperature}", 2.0 * temperature);
+}
+
+/// Runs `requests` (prompt, tokens, sampling) through one engine asking for `top` alternatives a token;
+/// returns each request's tokens with their log-probabilities.
+fn generate_logprobs<B: Backend>(
+    model: &Model<B>,
+    cfg: EngineConfig,
+    requests: &[(&[u32], usize, Option<Sampling>)],
+    top: usize,
+) -> Vec<Vec<TokenLogprob>> {
+    let mut engine = Engine::new(model, NgramProposer::default(), cfg).unwrap();
+    let ids: Vec<RequestId> = requests
+        .iter()
+        .map(|&(p, n, sampling)| {
+            let params = RequestParams { max_tokens: n, stop_tokens: Vec::new(), sampling, logprobs: Some(top) };
+            engine.add_request(p, params).unwrap()
+        })
+        .collect();
+    let mut out: Vec<Vec<TokenLogprob>> = vec![Vec::new(); ids.len()];
+    while engine.pending() > 0 {
+        for o in engine.step().unwrap() {
+            assert_eq!(o.logprobs.len(), o.tokens.len(), "one logprob entry per token");
+            assert!(o.logprobs.iter().zip(&o.tokens).all(|(l, &t)| l.token == t));
+            out[ids.iter().position(|&id| id == o.id).unwrap()].extend(o.logprobs);
+        }
+    }
+    out
+}
+
+/// Every mode gives each emitted token the log-probability plain decoding's logits give it (computed here
+/// in f64 from the plain step's logits) and the same top alternatives, bit for bit across modes, for
+/// greedy and sampling requests sharing the steps.
+fn check_logprobs_follow_the_target<B: Backend>(model: &Model<B>, label: &str) {
+    let top = 3;
+    let requests: Vec<(&[u32], usize, Option<Sampling>)> = PROMPTS
+        .iter()
+        .enumerate()
+        .map(|(i, &(p, n))| (p, n.min(12), (i % 2 == 1).then(|| sampling(5 + i as u64))))
+        .collect();
+    let vocab = model.config().vocab_size;
+    let want = generate_logprobs(model, config(Mode::Ar, 1, 16), &requests, top);
+    for (r, (&(prompt, _, _), got)) in requests.iter().zip(&want).enumerate() {
+        let mut cache = model.new_cache(64, 16, 256).unwrap();
+        let seq = cache.add_sequence();
+        let mut logits = model.forward(&mut cache, &[(seq, prompt)], Logits::Last).unwrap();
+        for l in got {
+            let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+            let lse = max + logits.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+            let exact = logits[l.token as usize] as f64 - lse;
+            assert!((l.logprob as f64 - exact).abs() < 1e-4, "{label} request {r}: {} against {exact}", l.logprob);
+            let mut order: Vec<usize> = (0..vocab).collect();
+            order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+            let ids: Vec<u32> = l.top.iter().map(|t| t.0).collect();
+            assert_eq!(ids, order[..top].iter().map(|&t| t as u32).collect::<Vec<_>>(), "{label} request {r}: top");
+            logits = model.forward(&mut cache, &[(seq, &[l.token])], Logits::Last).unwrap();
+        }
+    }
+    for (mode, budget) in [(Mode::Chain, 1), (Mode::DdTree, 16), (Mode::Auto, 16)] {
+        let got = generate_logprobs(model, config(mode, budget, 16), &requests, top);
+        assert_eq!(got, want, "{label} {mode:?}: logprobs differ from ar's");
+    }
+}
+
+#[test]
+fn logprobs_follow_the_target_in_every_mode() {
+    check_logprobs_follow_the_target(&Model::load(tiny_dir()).unwrap(), "cpu");
 }
 
 #[test]
@@ -427,8 +497,9 @@ fn stop_tokens_and_max_tokens_end_requests() {
     let stop = want[5];
     let first_stop = want.iter().position(|&t| t == stop).unwrap();
     let mut engine = Engine::new(&model, NgramProposer::default(), config(Mode::DdTree, 16, 8)).unwrap();
-    let id =
-        engine.add_request(prompt, RequestParams { max_tokens: 12, stop_tokens: vec![stop], sampling: None }).unwrap();
+    let id = engine
+        .add_request(prompt, RequestParams { max_tokens: 12, stop_tokens: vec![stop], sampling: None, logprobs: None })
+        .unwrap();
     let (mut tokens, mut reason) = (Vec::new(), None);
     while engine.pending() > 0 {
         for o in engine.step().unwrap() {
@@ -470,6 +541,8 @@ fn bad_settings_and_requests_are_errors_naming_them() {
     assert!(bad(&mut engine, &[vocab], 4).contains("vocabulary"));
     assert!(bad(&mut engine, &[1, 2], 0).contains("max_tokens"));
     assert!(bad(&mut engine, &[1, 2], 255).contains("context"));
+    let too_many = RequestParams { logprobs: Some(21), ..params(4) };
+    assert!(engine.add_request(&[1, 2], too_many).err().unwrap().to_string().contains("logprobs"));
     assert!(engine.cancel(7).err().unwrap().to_string().contains("request"));
     assert_eq!("chain".parse::<Mode>().unwrap(), Mode::Chain);
     assert!("auto2".parse::<Mode>().err().unwrap().to_string().contains("mode"));
@@ -533,6 +606,14 @@ mod cuda {
             return;
         }
         check_sampled_modes_equal_plain_sampling(&cuda_model(), "cuda");
+    }
+
+    #[test]
+    fn cuda_logprobs_follow_the_target_in_every_mode() {
+        if common::gpu().is_none() {
+            return;
+        }
+        check_logprobs_follow_the_target(&cuda_model(), "cuda");
     }
 
     #[test]

@@ -112,6 +112,24 @@ pub struct RequestParams {
     pub stop_tokens: Vec<u32>,
     /// Sampling settings; `None` is greedy.
     pub sampling: Option<Sampling>,
+    /// `Some(n)`: every emitted token comes with its log-probability under the target and the `n` (at
+    /// most [`MAX_TOP_LOGPROBS`]) most likely tokens with theirs.
+    pub logprobs: Option<usize>,
+}
+
+/// Most alternatives a request may ask [`RequestParams::logprobs`] for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// An emitted token's log-probability under the target's distribution (log-softmax of its logits,
+/// temperature 1, whatever the request samples with), and the most likely tokens there.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The token.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens with their log-probabilities, most likely first (equal ones by id).
+    pub top: Vec<(u32, f32)>,
 }
 
 /// A request's handle.
@@ -127,12 +145,14 @@ pub enum FinishReason {
 }
 
 /// A request's part of a step's result.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct StepOutput {
     /// The request.
     pub id: RequestId,
     /// Its new tokens, in order.
     pub tokens: Vec<u32>,
+    /// With [`RequestParams::logprobs`], one entry per new token; else empty.
+    pub logprobs: Vec<TokenLogprob>,
     /// Set when the request ended with this step (it is then removed).
     pub finished: Option<FinishReason>,
 }
@@ -311,6 +331,9 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
         if let Some(s) = &params.sampling {
             s.validate(vocab)?;
         }
+        if let Some(n) = params.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(Error::param("logprobs", n, format!("at most {MAX_TOP_LOGPROBS} alternatives a token")));
+        }
         let room = self.cache.max_seq_len();
         if prompt.len() + params.max_tokens > room {
             return Err(Error::param(
@@ -384,7 +407,7 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
     }
 
     /// The prompts of `fresh` (indices into `active`) in one step; each gets its first token.
-    fn prefill(&mut self, fresh: &[usize]) -> Result<Vec<(usize, Vec<u32>)>> {
+    fn prefill(&mut self, fresh: &[usize]) -> Result<(Vec<Emitted>, Chosen)> {
         let requests: Vec<StepRequest> = fresh
             .iter()
             .map(|&i| StepRequest { seq: self.active[i].seq, tokens: &self.active[i].history, tree: None })
@@ -400,13 +423,19 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
             self.active[i].prefilled = true;
             first_token += n;
         }
-        Ok(fresh.iter().zip(step.tokens).map(|(&i, t)| (i, vec![t])).collect())
+        let emitted = fresh
+            .iter()
+            .zip(&step.tokens)
+            .enumerate()
+            .map(|(row, (&i, &t))| Emitted { active: i, tokens: vec![t], rows: vec![row] })
+            .collect();
+        Ok((emitted, step))
     }
 
     /// One step of every request: a decode row for each in `ar` mode (and for a sequence with no room
     /// left for a tree, and in `auto` mode when a plain step is the faster choice), otherwise a draft
     /// verified as a tree.
-    fn decode(&mut self) -> Result<Vec<(usize, Vec<u32>)>> {
+    fn decode(&mut self) -> Result<(Vec<Emitted>, Chosen)> {
         let room = self.cache.max_seq_len();
         let may_draft = match self.config.mode {
             Mode::Ar => false,
@@ -451,11 +480,16 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
         for (j, &i) in plain.iter().enumerate() {
             self.active[i].features.extend(step.features(j..j + 1));
         }
-        let mut emitted: Vec<(usize, Vec<u32>)> = plain.iter().zip(&step.tokens).map(|(&i, &t)| (i, vec![t])).collect();
+        let mut emitted: Vec<Emitted> = plain
+            .iter()
+            .zip(&step.tokens)
+            .enumerate()
+            .map(|(row, (&i, &t))| Emitted { active: i, tokens: vec![t], rows: vec![row] })
+            .collect();
         if let Some(tree) = &trees {
             emitted.extend(self.accept(&drafted, tree, &step, plain.len(), n_rows)?);
         }
-        Ok(emitted)
+        Ok((emitted, step))
     }
 
     /// The draft trees of `drafted` (indices into `active`). In `auto` mode this also picks the budget:
@@ -551,7 +585,7 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
         step: &Chosen,
         first_row: usize,
         n_rows: usize,
-    ) -> Result<Vec<(usize, Vec<u32>)>> {
+    ) -> Result<Vec<Emitted>> {
         let started = Instant::now();
         let argmax: Vec<i32> = step.tokens[first_row..].iter().map(|&t| t as i32).collect();
         let acc = accept_from_argmax(tree, &argmax)?;
@@ -579,18 +613,22 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
             }
             let base = first_row + b * n_rows;
             self.active[i].features.extend(step.features(paths[b].iter().map(|&r| base + r)));
-            emitted.push((i, acc.emitted[b * width..b * width + a + 1].iter().map(|&t| t as u32).collect()));
+            emitted.push(Emitted {
+                active: i,
+                tokens: acc.emitted[b * width..b * width + a + 1].iter().map(|&t| t as u32).collect(),
+                rows: paths[b].iter().map(|&r| base + r).collect(),
+            });
         }
         Ok(emitted)
     }
 
     /// Applies stop tokens and max_tokens to the emitted tokens, extends the histories, and removes the
     /// requests that ended.
-    fn finish(&mut self, emitted: Vec<(usize, Vec<u32>)>) -> Result<Vec<StepOutput>> {
+    fn finish(&mut self, (emitted, step): (Vec<Emitted>, Chosen)) -> Result<Vec<StepOutput>> {
         let mut out = Vec::with_capacity(emitted.len());
         let mut ended = Vec::new();
         let now = Instant::now();
-        for (i, tokens) in emitted {
+        for Emitted { active: i, tokens, rows } in emitted {
             let a = &mut self.active[i];
             a.first_token.get_or_insert(now);
             a.history.extend(&tokens);
@@ -610,7 +648,11 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
             if finished.is_some() {
                 ended.push(i);
             }
-            out.push(StepOutput { id: a.id, tokens: kept, finished });
+            let logprobs = match a.params.logprobs {
+                Some(top) => kept.iter().zip(&rows).map(|(&t, &r)| step.logprob(r, t, top)).collect::<Result<_>>()?,
+                None => Vec::new(),
+            };
+            out.push(StepOutput { id: a.id, tokens: kept, logprobs, finished });
         }
         ended.sort_unstable();
         for i in ended.into_iter().rev() {
@@ -634,9 +676,20 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
     }
 }
 
-/// A step's chosen tokens and, when the proposer reads them, every step token's hidden states.
+/// A request's new tokens of a step and, for each, the step row whose distribution chose it.
+struct Emitted {
+    active: usize,
+    tokens: Vec<u32>,
+    rows: Vec<usize>,
+}
+
+/// A step's chosen tokens, the returned rows' logits when a request needed them, and, when the proposer
+/// reads them, every step token's hidden states.
 struct Chosen {
     tokens: Vec<u32>,
+    /// `[rows, vocab]`, or empty.
+    logits: Vec<f32>,
+    vocab: usize,
     /// `[layers, step_tokens, hidden]`.
     hidden: Vec<f32>,
     layers: usize,
@@ -647,6 +700,28 @@ struct Chosen {
 impl Chosen {
     /// The context features of the step tokens `tokens`: per token its layers' hidden states one after
     /// another (empty when the step read none).
+    /// The log-probability of `token` under row `row`'s distribution, with the `top` most likely tokens.
+    fn logprob(&self, row: usize, token: u32, top: usize) -> Result<TokenLogprob> {
+        let logits = self.logits.get(row * self.vocab..(row + 1) * self.vocab).ok_or_else(|| Error::Index {
+            name: "logprobs",
+            detail: format!("row {row} of the step was not read back"),
+        })?;
+        let lse =
+            crate::cpu::topk::row_lse(logits).map_err(|problem| Error::Logits { name: "logits", row, problem })?;
+        let mut order: Vec<u32> = (0..self.vocab as u32).collect();
+        let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+        if top > 0 && top < order.len() {
+            order.select_nth_unstable_by(top - 1, by_logit);
+        }
+        order.truncate(top);
+        order.sort_unstable_by(by_logit);
+        Ok(TokenLogprob {
+            token,
+            logprob: logits[token as usize] - lse,
+            top: order.into_iter().map(|t| (t, logits[t as usize] - lse)).collect(),
+        })
+    }
+
     fn features(&self, tokens: impl IntoIterator<Item = usize>) -> Vec<f32> {
         let (t, h) = (self.step_tokens, self.hidden_size);
         let mut out = Vec::new();
@@ -675,9 +750,12 @@ fn choose<B: Backend>(
     rows: &[(usize, usize)],
     layers: &[usize],
 ) -> Result<Chosen> {
-    let sampling = rows.iter().any(|&(i, _)| active[i].params.sampling.is_some());
+    let needs = |p: &RequestParams| p.sampling.is_some() || p.logprobs.is_some();
+    let sampling = rows.iter().any(|&(i, _)| needs(&active[i].params));
     let mut chosen = Chosen {
         tokens: Vec::new(),
+        logits: Vec::new(),
+        vocab: model.config().vocab_size,
         hidden: Vec::new(),
         layers: layers.len(),
         step_tokens: requests.iter().map(|r| r.tokens.len()).sum(),
@@ -710,6 +788,7 @@ fn choose<B: Backend>(
             }
         });
     }
+    chosen.logits = logits;
     Ok(chosen)
 }
 

@@ -17,6 +17,7 @@ mod sampling;
 pub use dflash::DflashProposer;
 pub use engine::{
     Engine, EngineConfig, FinishReason, Mode, RequestId, RequestParams, SpecStats, StageTimes, StepOutput,
+    TokenLogprob, MAX_TOP_LOGPROBS,
 };
 pub use proposer::{DraftRequest, NgramProposer, Proposal, Proposer};
 pub use sampling::{sample, uniform, Sampling};
