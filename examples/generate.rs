@@ -1,23 +1,25 @@
 //! Generation from a checkpoint directory, on the CPU or (with `--features cuda` and `--gpu`) the CUDA
 //! backend, through the speculative engine (`kdtree_engine::spec`) in `--mode ar`, `chain`, `ddtree` or
-//! `auto` (drafts from prompt lookup, or from a DFlash drafter with `--drafter`; `--budget` tree nodes,
-//! `--block` size), for `--batch` copies of the prompt: greedy, or temperature / top-p sampling with a seed; every mode emits the same tokens. Prints
-//! the text as it is generated, then the load time, the time to the first token, the decode rate and the
-//! speculative counters. Bad options or a prompt that does not fit the context are errors that say so.
+//! `auto` (drafts from the checkpoint's DFlash drafter in `<model>/drafter`, another one with `--drafter`,
+//! or prompt lookup with `--ngram`; `--budget` tree nodes, `--block` size), for `--batch` copies of the
+//! prompt or, with `--prompts FILE`, a batch of different prompts cut from a text: greedy, or temperature /
+//! top-p sampling with a seed; every mode emits the same tokens. Prints the text as it is generated, then
+//! the load time, the time to the first token, the decode rate and the speculative counters. Bad options
+//! or a prompt that does not fit the context are errors that say so.
 //!
 //! ```text
-//! cargo run --release --example generate -- --prompt "The capital of France is"
+//! cargo run --release --example generate -- --prompt "It is a truth universally acknowledged, that"
 //! cargo run --release --example generate -- --mode ddtree --budget 32 --batch 4
-//! cargo run --release --example generate -- --mode auto --drafter fixtures/tiny_model/drafter
+//! cargo run --release --example generate -- --mode chain --prompts fixtures/models/heldout.txt --batch 16
 //! cargo run --release --example generate -- --chat --prompt "Hi!" --temperature 0.8 --top-p 0.9 --seed 7
-//! cargo run --release --features cuda --example generate -- --gpu --prompt "The capital of France is"
+//! cargo run --release --features cuda --example generate -- --gpu --mode auto
 //! ```
-//! The default model is the tiny random checkpoint in `fixtures/tiny_model` (its text is noise).
+//! The default model is the shipped one, `fixtures/models/tiny-k2` (trained by `train/`, see README).
 
 mod common;
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -33,11 +35,18 @@ use kdtree_engine::{Error, Result};
 #[command(about = "Generate text with a DeepSeek-V3 / Kimi-K2 checkpoint")]
 struct Args {
     /// Checkpoint directory: config.json, safetensors, tokenizer.json (+ tokenizer_config.json).
-    #[arg(long, default_value = "fixtures/tiny_model")]
+    #[arg(long, default_value = "fixtures/models/tiny-k2")]
     model: PathBuf,
     /// The prompt.
-    #[arg(long, default_value = "Once upon a time")]
+    #[arg(long, default_value = "It is a truth universally acknowledged, that")]
     prompt: String,
+    /// Take the batch's prompts from this text instead: request i gets the opening tokens of the i-th of
+    /// `--batch` paragraphs spread evenly over the file (the first one's text is printed).
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    /// Tokens of each prompt cut by `--prompts`.
+    #[arg(long, default_value_t = 48)]
+    prompt_tokens: usize,
     /// Wrap the prompt as a user message in the checkpoint's chat template.
     #[arg(long)]
     chat: bool,
@@ -65,10 +74,14 @@ struct Args {
     /// Block size: the bonus token and block - 1 draft positions (default: the drafter's, else 16).
     #[arg(long)]
     block: Option<usize>,
-    /// A DFlash drafter checkpoint directory; without one, drafts come from prompt lookup.
+    /// A DFlash drafter checkpoint directory (default: `<model>/drafter` when it exists).
     #[arg(long)]
     drafter: Option<PathBuf>,
-    /// Copies of the prompt decoded together (the first one's text is printed).
+    /// Draft by prompt lookup (n-gram matches in the sequence) instead of a drafter.
+    #[arg(long, conflicts_with = "drafter")]
+    ngram: bool,
+    /// Requests decoded together: copies of the prompt, or prompts cut by `--prompts` (the first one's
+    /// text is printed).
     #[arg(long, default_value_t = 1)]
     batch: usize,
 }
@@ -112,8 +125,25 @@ fn run(args: &Args) -> Result<()> {
     Err(Error::param("--gpu", true, "this build has no CUDA backend: build with `--features cuda`"))
 }
 
-/// The prompt's token ids, checked against the model's context.
-fn encode_prompt(args: &Args, tokenizer: &Tokenizer, context: usize) -> Result<(String, Vec<u32>)> {
+/// The batch's prompts (text, token ids), each checked against the model's context.
+fn encode_prompts(args: &Args, tokenizer: &Tokenizer, context: usize) -> Result<Vec<(String, Vec<u32>)>> {
+    let prompts = match &args.prompts {
+        Some(path) => cut_prompts(path, args.batch, args.prompt_tokens, tokenizer)?,
+        None => vec![encode_prompt(args, tokenizer)?; args.batch],
+    };
+    let longest = prompts.iter().map(|(_, ids)| ids.len()).max().unwrap_or(0);
+    if longest + args.max_tokens > context {
+        return Err(Error::param(
+            "--max-tokens",
+            args.max_tokens,
+            format!("a prompt's {longest} tokens plus max tokens exceed the model's context of {context}"),
+        ));
+    }
+    Ok(prompts)
+}
+
+/// `--prompt`, wrapped in the chat template with `--chat`.
+fn encode_prompt(args: &Args, tokenizer: &Tokenizer) -> Result<(String, Vec<u32>)> {
     let text = if args.chat {
         tokenizer.apply_chat_template(&[ChatMessage::new("user", &args.prompt)], true)?
     } else {
@@ -123,14 +153,35 @@ fn encode_prompt(args: &Args, tokenizer: &Tokenizer, context: usize) -> Result<(
     if prompt.is_empty() {
         return Err(Error::param("--prompt", "\"\"", "the prompt has no tokens; give at least one"));
     }
-    if prompt.len() + args.max_tokens > context {
-        return Err(Error::param(
-            "--max-tokens",
-            args.max_tokens,
-            format!("the prompt's {} tokens plus max tokens exceed the model's context of {context}", prompt.len()),
-        ));
-    }
     Ok((text, prompt))
+}
+
+/// The opening `tokens` tokens of `count` paragraphs (blank-line separated, at least that long) spread
+/// evenly over the text in `path`.
+fn cut_prompts(path: &Path, count: usize, tokens: usize, tokenizer: &Tokenizer) -> Result<Vec<(String, Vec<u32>)>> {
+    if tokens == 0 {
+        return Err(Error::param("--prompt-tokens", 0, "must be at least 1"));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| Error::Data { path: path.into(), detail: e.to_string() })?;
+    let mut long = Vec::new();
+    for paragraph in text.split("\n\n") {
+        let ids = tokenizer.encode(paragraph.trim(), false)?;
+        if ids.len() >= tokens {
+            long.push(ids[..tokens].to_vec());
+        }
+    }
+    if long.len() < count {
+        return Err(Error::Data {
+            path: path.into(),
+            detail: format!("{} paragraphs of at least {tokens} tokens, fewer than the batch of {count}", long.len()),
+        });
+    }
+    (0..count)
+        .map(|i| {
+            let ids = long[i * long.len() / count].clone();
+            Ok((tokenizer.decode(&ids, false)?, ids))
+        })
+        .collect()
 }
 
 /// Prints the new suffix of the text of `generated` past the `shown` bytes printed already; a token
@@ -149,8 +200,8 @@ fn show(tokenizer: &Tokenizer, generated: &[u32], shown: &mut usize) -> Result<(
 fn generate<B: Backend>(args: &Args, model: Model<B>, start: Instant) -> Result<()> {
     let tokenizer = Tokenizer::from_dir(&args.model)?;
     let load = start.elapsed();
-    let (text, prompt) = encode_prompt(args, &tokenizer, model.config().max_position_embeddings)?;
-    generate_with_engine(args, &model, &tokenizer, (&text, &prompt), load)
+    let prompts = encode_prompts(args, &tokenizer, model.config().max_position_embeddings)?;
+    generate_with_engine(args, &model, &tokenizer, &prompts, load)
 }
 
 /// `--batch` copies of the prompt through the speculative engine with the proposer the options ask for.
@@ -158,12 +209,13 @@ fn generate_with_engine<B: Backend>(
     args: &Args,
     model: &Model<B>,
     tokenizer: &Tokenizer,
-    prompt: (&str, &[u32]),
+    prompts: &[(String, Vec<u32>)],
     load: std::time::Duration,
 ) -> Result<()> {
-    let drafter = args.drafter.as_ref().map(|dir| Drafter::load(dir, model)).transpose()?;
+    let drafter = drafter_dir(args).map(|dir| Drafter::load(dir, model)).transpose()?;
     let block = args.block.or(drafter.as_ref().map(|d| d.dflash().block_size)).unwrap_or(16);
-    let len = prompt.1.len() + args.max_tokens + args.budget.max(block) + 1;
+    let longest = prompts.iter().map(|(_, ids)| ids.len()).max().unwrap_or(0);
+    let len = longest + args.max_tokens + args.budget.max(block) + 1;
     let page_size = 16;
     let config = EngineConfig {
         mode: args.mode,
@@ -174,9 +226,17 @@ fn generate_with_engine<B: Backend>(
         max_seq_len: len,
     };
     match &drafter {
-        Some(d) => drive(args, Engine::new(model, DflashProposer::new(d, &config)?, config)?, tokenizer, prompt, load),
-        None => drive(args, Engine::new(model, NgramProposer::default(), config)?, tokenizer, prompt, load),
+        Some(d) => drive(args, Engine::new(model, DflashProposer::new(d, &config)?, config)?, tokenizer, prompts, load),
+        None => drive(args, Engine::new(model, NgramProposer::default(), config)?, tokenizer, prompts, load),
     }
+}
+
+/// `--drafter`, else `<model>/drafter` when it holds a checkpoint; none with `--ngram` or in `ar` mode.
+fn drafter_dir(args: &Args) -> Option<PathBuf> {
+    if args.ngram || args.mode == Mode::Ar {
+        return None;
+    }
+    args.drafter.clone().or_else(|| Some(args.model.join("drafter")).filter(|d| d.join("config.json").exists()))
 }
 
 /// Runs the requests to the end; prints the first one's text as it comes, then the rates and counters.
@@ -184,7 +244,7 @@ fn drive<B: Backend, P: Proposer>(
     args: &Args,
     mut engine: Engine<B, P>,
     tokenizer: &Tokenizer,
-    (text, prompt): (&str, &[u32]),
+    prompts: &[(String, Vec<u32>)],
     load: std::time::Duration,
 ) -> Result<()> {
     let model = engine.model();
@@ -193,7 +253,7 @@ fn drive<B: Backend, P: Proposer>(
     if args.mode == Mode::Auto {
         eprintln!("auto: step times of batch {} measured in {:.2?}", args.batch, warm.elapsed());
     }
-    print!("{text}");
+    print!("{}", prompts[0].0);
     let params = RequestParams {
         max_tokens: args.max_tokens,
         stop_tokens: tokenizer.eos_token_id().into_iter().collect(),
@@ -205,7 +265,7 @@ fn drive<B: Backend, P: Proposer>(
         }),
         logprobs: None,
     };
-    let ids: Vec<_> = (0..args.batch).map(|_| engine.add_request(prompt, params.clone())).collect::<Result<_>>()?;
+    let ids: Vec<_> = prompts.iter().map(|(_, ids)| engine.add_request(ids, params.clone())).collect::<Result<_>>()?;
     let begin = Instant::now();
     let (mut generated, mut shown, mut first_token) = (Vec::new(), 0, None);
     while engine.pending() > 0 {
@@ -224,11 +284,12 @@ fn drive<B: Backend, P: Proposer>(
     let decoded = stats.tokens.saturating_sub(args.batch as u64);
     let decode = total - first_token;
     eprintln!(
-        "{}: load {load:.2?}; {} x prompt of {} tokens, first tokens after {first_token:.2?}; {decoded} more tokens in \
+        "{}: load {load:.2?}; {} prompts of {}-{} tokens, first tokens after {first_token:.2?}; {decoded} more tokens in \
          {decode:.2?} ({:.1} tok/s)",
         model.backend().name(),
         args.batch,
-        prompt.len(),
+        prompts.iter().map(|(_, ids)| ids.len()).min().unwrap_or(0),
+        prompts.iter().map(|(_, ids)| ids.len()).max().unwrap_or(0),
         decoded as f64 / decode.as_secs_f64()
     );
     let by_depth: Vec<String> = stats.accepted_by_depth.iter().map(|n| n.to_string()).collect();

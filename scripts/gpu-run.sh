@@ -6,14 +6,15 @@
 # case next to the test source) are copied to $OUT/proptest-regressions/, so that a case found here can
 # be committed in the repository (this machine has no git).
 # TESTS="gpu-pack/tests/NAME ..." limits the tests step to those binaries.
-# Usage: scripts/gpu-run.sh [tests|engine|kernels|spec|step|sanitize|sanitize:quick|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
+# Usage: scripts/gpu-run.sh [tests|engine|kernels|spec|perplexity|step|sanitize|sanitize:quick|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
 #        (FILTER: a criterion name filter, e.g. bench:mla:gpu_decode runs only those rows)
 #        step: the Kimi-K2-shaped step table (examples/bench_step, random weights, 64 and 8 heads)
 #        engine: the engine's tok/s table beside transformers' (examples/bench_generate, scripts/hf_generate_bench.py)
 #        kernels: the tiny checkpoint's decode step, each kernel timed alone by ncu, summed
-#        spec: greedy generation in every speculative mode (examples/generate --mode), prompt lookup and the
-#        tiny random DFlash drafter, batch SPEC_BATCHES (default 1 4 8 16 64; the drafter's rows at
-#        SPEC_DRAFTER_BATCHES, default 1 8)
+#        spec: greedy generation in every speculative mode (examples/generate --mode) on the shipped model
+#        with held-out prompts, drafts from its DFlash drafter at batch SPEC_BATCHES (default 1 4 8 16 64)
+#        and from prompt lookup at SPEC_NGRAM_BATCHES (default 1 8 64); SPEC_PROPOSERS picks (dflash ngram)
+#        perplexity: the shipped model's held-out perplexity on CUDA beside PyTorch's (examples/perplexity)
 #        sanitize: memcheck and racecheck of every test of every binary, SANITIZE_JOBS (default 8)
 #        (tool, binary) jobs at a time, each with --test-threads SANITIZE_THREADS (default 2) and, when
 #        SANITIZE_TIMEOUT (seconds) is set, killed after that long; sanitize:quick only the fixture and
@@ -198,22 +199,28 @@ run_kernel_sum() {
 run_spec() {
     local batch batches spec mode budget proposer flag log
     note "spec | proposer | mode | budget | batch | tok/s | mean accepted length | steps by budget | stages"
-    for proposer in ngram dflash; do
+    for proposer in ${SPEC_PROPOSERS:-dflash ngram}; do
         flag="" batches=${SPEC_BATCHES:-1 4 8 16 64}
-        [ $proposer = dflash ] && flag="--drafter fixtures/tiny_model/drafter" batches=${SPEC_DRAFTER_BATCHES:-1 8}
+        [ $proposer = ngram ] && flag="--ngram" batches=${SPEC_NGRAM_BATCHES:-1 8 64}
         for batch in $batches; do
             for spec in ar:16 chain:16 ddtree:8 ddtree:16 ddtree:32 ddtree:64 auto:64; do
                 mode=${spec%%:*} budget=${spec#*:}
                 log=$logs/spec-$proposer-$mode-b$budget-bs$batch.log
-                # shellcheck disable=SC2086  # flag is empty or two words
+                # shellcheck disable=SC2086  # flag is empty or one word
                 gpu-pack/examples/generate --gpu --mode "$mode" --budget "$budget" --batch $batch --max-tokens 256 \
-                    $flag >"$log" 2>&1
+                    --prompts fixtures/models/heldout.txt $flag >"$log" 2>&1
                 note "spec | $proposer | $mode | $budget | $batch | $(grep -o '[0-9.]* tok/s' "$log" | tail -1) | \
 $(grep -o 'mean accepted length [0-9.]*' "$log" | awk '{print $4}') | $(grep 'steps by tree budget' "$log" | cut -d: -f2-) | \
 $(grep '^stages' "$log" | cut -d: -f2-)"
             done
         done
     done
+}
+
+# Held-out perplexity of the shipped model on CUDA beside PyTorch's (examples/perplexity).
+run_perplexity() {
+    gpu-pack/examples/perplexity --gpu >"$logs/perplexity-gpu.log" 2>&1
+    note "perplexity (cuda): exit $? | $(tr '\n' ' ' <"$logs/perplexity-gpu.log" | tail -c 400)"
 }
 
 # The model step at Kimi-K2 dimensions with random weights (examples/bench_step.rs), 64 heads and 8 (one GPU's
@@ -243,6 +250,7 @@ for step in $steps; do
         step) run_step_bench ;;
         kernels) run_kernel_sum ;;
         spec) run_spec ;;
+        perplexity) run_perplexity ;;
         sanitize) run_sanitizer '*' ;;
         sanitize:quick) run_sanitizer '*' matches_every_fixture batch_invariant ;;
         sanitize:*) run_sanitizer "${step#sanitize:}" ;;

@@ -7,6 +7,7 @@ pub mod config;
 pub mod drafter;
 pub mod forward;
 pub mod layers;
+pub mod perplexity;
 pub mod rope;
 pub mod tokenizer;
 pub mod weights;
