@@ -24,8 +24,9 @@ const WINDOW: usize = 512;
 /// PyTorch's float32 ones (reference/heldout_token_nll.npy): twice the worst seen on a correct run
 /// (`OBSERVED_TOKEN_NLL_DIFF`). The same windows shifted by one token sit near 3 nats.
 const MAX_TOKEN_NLL_DIFF: f64 = 2.0 * OBSERVED_TOKEN_NLL_DIFF;
-/// The worst over the CPU (1 and 8 windows) and the H200 (8 windows).
-const OBSERVED_TOKEN_NLL_DIFF: f64 = 3.6e-3;
+/// The worst seen, on the CPU: 3.51e-3 over 1 window, 4.42e-3 over 8 (the bf16 activations the kernels take
+/// against PyTorch's float32).
+const OBSERVED_TOKEN_NLL_DIFF: f64 = 4.5e-3;
 
 fn models_dir() -> PathBuf {
     common::fixtures_root().join("models")

@@ -55,6 +55,32 @@ QUANTIZATION_CONFIG = {
 }
 
 
+# Steps timed before a run fits its schedule to its --minutes.
+CALIBRATION_STEPS = 30
+
+
+def fit_steps(step, steps, started, minutes):
+    """At step CALIBRATION_STEPS with a time budget: the most steps (at least one more, at most `steps`)
+    that fit `minutes` at the pace so far, printed with the flags that replay it; else `steps` unchanged."""
+    import time
+    if step != CALIBRATION_STEPS or not minutes:
+        return steps
+    per_step = (time.time() - started) / CALIBRATION_STEPS
+    fitted = max(step + 1, min(steps, int(minutes * 60 / per_step)))
+    print(f"{per_step * 1e3:.1f} ms per step: {fitted} steps fit in {minutes} minutes "
+          f"(rerun with --steps {fitted} --minutes 0 for the same schedule)", flush=True)
+    return fitted
+
+
+def lr_at(step, steps, peak, warmup, floor):
+    """Linear warm-up over `warmup` steps, then cosine decay from `peak` to `floor` x `peak`."""
+    import math
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
 def hf_config(shape, attn="eager", **extra):
     """A transformers DeepseekV3Config of `shape` with the attention implementation `attn`."""
     from transformers import DeepseekV3Config
@@ -186,7 +212,6 @@ def load_target(model_dir=MODEL_DIR, device="cuda"):
     shape = {k: raw[k] for k in TARGET_SHAPE}
     model = DeepseekV3ForCausalLM(hf_config(shape))
     saved = load_file(model_dir / "model.safetensors")
-    inter = shape["moe_intermediate_size"]
     state = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight":

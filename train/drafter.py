@@ -22,7 +22,6 @@ Needs torch and transformers 5; fixed seeds.
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -31,14 +30,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-from common import DATA_DIR, MODEL_DIR, SPECIAL_IDS, TARGET_SHAPE, WINDOW, config_json, hf_config, load_target, \
-    load_tokens
+from common import DATA_DIR, MODEL_DIR, SPECIAL_IDS, TARGET_SHAPE, WINDOW, config_json, fit_steps, hf_config, \
+    load_target, load_tokens, lr_at
 
 BLOCK = 16
 GAMMA = 7.0                       # the recipe's decay for block 16
 TARGET_LAYER_IDS = [1, 3]         # after the first MoE layer, and the last layer (before the final norm)
 MASK_TOKEN = SPECIAL_IDS["[PAD]"]
-CALIBRATION_STEPS = 30
 DRAFTER_SHAPE = dict(TARGET_SHAPE, num_hidden_layers=2, first_k_dense_replace=2, intermediate_size=384)
 
 
@@ -175,11 +173,6 @@ def save_drafter(out, drafter):
                                                  num_nextn_predict_layers=0))
 
 
-def lr_at(step, steps, peak, warmup):
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * (0.05 + 0.475 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
-
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -217,13 +210,9 @@ def main():
     steps, warmup = args.steps, 200
     step = 0
     while step < steps:
-        if step == CALIBRATION_STEPS and args.minutes:
-            per_step = (time.time() - t1) / CALIBRATION_STEPS
-            steps = max(step + 1, min(steps, int(args.minutes * 60 / per_step)))
-            print(f"{per_step * 1e3:.1f} ms per step: {steps} steps fit in {args.minutes} minutes "
-                  f"(rerun with --steps {steps} --minutes 0 for the same schedule)", flush=True)
+        steps = fit_steps(step, steps, t1, args.minutes)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, args.lr, warmup)
+            g["lr"] = lr_at(step, steps, args.lr, warmup, 0.05)
         n_gen = args.batch * 3 // 4 if len(generated) else 0
         starts = torch.randint(0, tokens.numel() - WINDOW, (args.batch - n_gen,), generator=gen)
         rows = [tokens[starts[:, None] + torch.arange(WINDOW)]]

@@ -26,11 +26,10 @@ import time
 import numpy as np
 import torch
 
-from common import (DATA_DIR, MODEL_DIR, TARGET_SHAPE, WINDOW, heldout_windows, hf_config, load_tokens,
+from common import (DATA_DIR, MODEL_DIR, TARGET_SHAPE, WINDOW, fit_steps, heldout_windows, hf_config, load_tokens, lr_at,
                     perplexity, quantize_experts_, round_to_bf16_, token_digest, token_nll, window_nll, write_target)
 
 BIAS_STEP = 1e-3  # routing-bias update per step (DeepSeek-V3 uses 1e-3)
-CALIBRATION_STEPS = 30
 TOKEN_NLL_WINDOWS = 8  # held-out windows whose per-token NLL is kept for tests/trained_model.rs
 
 
@@ -70,12 +69,6 @@ def batches(tokens, batch, seq, gen, device):
     return x[:, :-1], x[:, 1:]
 
 
-def lr_at(step, steps, peak, warmup):
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    frac = (step - warmup) / max(1, steps - warmup)
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-
 
 def param_groups(model, weight_decay):
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
@@ -109,13 +102,9 @@ def train(args):
     t0 = time.time()
     step = 0
     while step < steps:
-        if step == CALIBRATION_STEPS and args.minutes:
-            per_step = (time.time() - t0) / CALIBRATION_STEPS
-            steps = max(step + 1, min(steps, int(args.minutes * 60 / per_step)))
-            print(f"{per_step * 1e3:.1f} ms per step: {steps} steps fit in {args.minutes} minutes "
-                  f"(rerun with --steps {steps} --minutes 0 for the same schedule)", flush=True)
+        steps = fit_steps(step, steps, t0, args.minutes)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, args.lr, args.warmup)
+            g["lr"] = lr_at(step, steps, args.lr, args.warmup, 0.1)
         x, y = batches(train_tokens, args.batch, args.seq, gen, device)
         model.train()
         balancer.on = True
