@@ -34,9 +34,10 @@ mv gpu-pack/tiled/moe_int4 gpu-pack/tests/moe_int4_tiled
 cargo bench --no-default-features --features "$features,int4-tiled" --no-run --bench moe_int4 \
     --message-format=json | copy_executables gpu-pack/tiled bench
 mv gpu-pack/tiled/moe_int4 gpu-pack/benches/moe_int4_tiled && rmdir gpu-pack/tiled
-cargo build --release --features "$features" --example build_tree --example generate --example bench_generate \
+cargo build --release --features "$features" --example build_tree --example generate --example perplexity --example bench_generate \
     --example bench_step
-cp target/release/examples/build_tree target/release/examples/generate target/release/examples/bench_generate \
+cp target/release/examples/build_tree target/release/examples/generate target/release/examples/perplexity \
+    target/release/examples/bench_generate \
     target/release/examples/bench_step gpu-pack/examples/
 if [ -n "${KEEP:-}" ]; then
     read -ra patterns <<<"$KEEP"  # split on blanks, with no pathname expansion
