@@ -301,6 +301,22 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
         &self.stats
     }
 
+    /// The engine's settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// KV cache pages held by requests now.
+    pub fn kv_pages_in_use(&self) -> usize {
+        self.config.num_pages - self.cache.free_pages()
+    }
+
+    /// Rows a verify step gives each sequence (1 in `ar` mode): the cache room a request needs beyond
+    /// its prompt and generated tokens.
+    pub fn tree_rows(&self) -> usize {
+        self.config.tree_rows()
+    }
+
     /// Requests not yet finished.
     pub fn pending(&self) -> usize {
         self.active.len()
