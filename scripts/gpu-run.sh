@@ -6,7 +6,7 @@
 # case next to the test source) are copied to $OUT/proptest-regressions/, so that a case found here can
 # be committed in the repository (this machine has no git).
 # TESTS="gpu-pack/tests/NAME ..." limits the tests step to those binaries.
-# Usage: scripts/gpu-run.sh [tests|engine|kernels|spec|perplexity|step|sanitize|sanitize:quick|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
+# Usage: scripts/gpu-run.sh [tests|engine|kernels|spec|perplexity|serving|step|sanitize|sanitize:quick|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
 #        (FILTER: a criterion name filter, e.g. bench:mla:gpu_decode runs only those rows)
 #        step: the Kimi-K2-shaped step table (examples/bench_step, random weights, 64 and 8 heads)
 #        engine: the engine's tok/s table beside transformers' (examples/bench_generate, scripts/hf_generate_bench.py)
@@ -15,6 +15,7 @@
 #        with held-out prompts, drafts from its DFlash drafter at batch SPEC_BATCHES (default 1 4 8 16 64)
 #        and from prompt lookup at SPEC_NGRAM_BATCHES (default 1 8 64); SPEC_PROPOSERS picks (dflash ngram)
 #        perplexity: the shipped model's held-out perplexity on CUDA beside PyTorch's (examples/perplexity)
+#        serving: examples/serve --gpu in each of SERVE_MODES under examples/bench_serving's sweep
 #        sanitize: memcheck and racecheck of every test of every binary, SANITIZE_JOBS (default 8)
 #        (tool, binary) jobs at a time, each with --test-threads SANITIZE_THREADS (default 2) and, when
 #        SANITIZE_TIMEOUT (seconds) is set, killed after that long; sanitize:quick only the fixture and
@@ -217,6 +218,29 @@ $(grep '^stages' "$log" | cut -d: -f2-)"
     done
 }
 
+# The server on CUDA (examples/serve --gpu) in each mode, loaded by examples/bench_serving over the
+# concurrency sweep: SGLang-style tables, one CSV and plot for all modes, and a check that every
+# prompt's greedy output is the same at every concurrency. SERVE_MODES (default "ar chain ddtree auto").
+run_serving() {
+    local mode port=8100 pid
+    rm -f "$out/bench_serving.csv"
+    for mode in ${SERVE_MODES:-ar chain ddtree auto}; do
+        gpu-pack/examples/serve --gpu --mode "$mode" --port $port --max-batch 64 >"$logs/serve-$mode.log" 2>&1 &
+        pid=$!
+        for _ in $(seq 1 120); do
+            (echo >"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
+            sleep 0.5
+        done
+        gpu-pack/examples/bench_serving --base-url "http://127.0.0.1:$port" --label "$mode" --append \
+            --csv "$out/bench_serving.csv" --plot "$out/bench_serving.svg" >"$logs/bench_serving-$mode.log" 2>&1
+        note "serving $mode: exit $? | $(grep -i 'greedy outputs' "$logs/bench_serving-$mode.log")"
+        note "$(grep -A 8 '^label ' "$logs/bench_serving-$mode.log")"
+        kill $pid
+        wait $pid 2>/dev/null
+        port=$((port + 1))
+    done
+}
+
 # Held-out perplexity of the shipped model on CUDA beside PyTorch's (examples/perplexity).
 run_perplexity() {
     gpu-pack/examples/perplexity --gpu >"$logs/perplexity-gpu.log" 2>&1
@@ -251,6 +275,7 @@ for step in $steps; do
         kernels) run_kernel_sum ;;
         spec) run_spec ;;
         perplexity) run_perplexity ;;
+        serving) run_serving ;;
         sanitize) run_sanitizer '*' ;;
         sanitize:quick) run_sanitizer '*' matches_every_fixture batch_invariant ;;
         sanitize:*) run_sanitizer "${step#sanitize:}" ;;
