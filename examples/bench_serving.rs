@@ -245,7 +245,9 @@ fn run(args: &Args) -> Result<()> {
     print_table(&label, &summaries);
     match differing.first() {
         None => println!("greedy outputs: every prompt's text is identical at concurrency {:?}", args.concurrency),
-        Some(first) => println!("greedy outputs DIFFER across concurrency: {} requests, first: {first}", differing.len()),
+        Some(first) => {
+            println!("greedy outputs DIFFER across concurrency: {} requests, first: {first}", differing.len())
+        }
     }
     println!("wrote {}", args.csv.display());
     if !args.no_plot {
