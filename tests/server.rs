@@ -257,6 +257,30 @@ fn bad_inputs_get_openai_errors_that_name_the_problem() {
     assert_eq!(status, 200, "a good request still works after the bad ones");
 }
 
+/// A full batch and a full queue: the request after them gets a 503 that says so; the queued one is
+/// served once the batch has room.
+#[test]
+fn a_full_queue_answers_503() {
+    let server = start(Setup { max_batch: 1, max_queue: 1, ..Setup::default() });
+    let mut body = completion(&prompts(1)[0], 200);
+    body["stream"] = json!(true);
+    let running = agent().post(format!("{}/v1/completions", server.base)).send(body.to_string()).expect("first");
+    let mut reader = running.into_body().into_reader();
+    let mut first = [0u8; 16];
+    std::io::Read::read_exact(&mut reader, &mut first).expect("the first request streams");
+    std::thread::scope(|s| {
+        let queued = s.spawn(|| post(&server, "/v1/completions", &completion("It is", 4)));
+        std::thread::sleep(Duration::from_millis(300));
+        let (status, answer) = post(&server, "/v1/completions", &completion("It is", 4));
+        println!("| queue full | {status} | {} |", answer["error"]["message"]);
+        assert_eq!(status, 503, "{answer}");
+        assert!(answer["error"]["message"].as_str().unwrap_or_default().contains("queue holds 1"), "{answer}");
+        drop(reader); // the first client leaves, so the queued request gets the batch
+        assert_eq!(queued.join().expect("queued client").0, 200, "the queued request is served");
+    });
+    wait_for_idle(&server);
+}
+
 #[test]
 fn greedy_outputs_are_identical_at_every_concurrency() {
     let server = start(Setup::default());
