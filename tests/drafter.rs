@@ -1,12 +1,14 @@
 //! The DFlash drafter (src/model/drafter.rs): its block draft against transformers' DeepSeek-V3 modules
 //! (reference/drafter_reference.py), with four wrong drafters shown to fail the same bound; its loader
-//! names every mismatch with the target; a draft does not depend on the batch it runs in nor on how its context was written (all at once or in
+//! names every mismatch with the target; its candidates are the top-K of its logits; a draft does not depend on the batch it runs in nor on how its context was written (all at once or in
 //! pieces), and its block rows are not committed; bad context is an error. One test body per property, run on the CPU here and on CUDA in `mod cuda`.
 
 mod common;
 
 use std::path::{Path, PathBuf};
 
+use kdtree_engine::cpu::rowops;
+use kdtree_engine::cpu::topk::topk_logsumexp;
 use kdtree_engine::fixture::Fixture;
 use kdtree_engine::model::backend::Backend;
 use kdtree_engine::model::{BlockDraft, Drafter, Logits, Model, StepRequest};
@@ -111,6 +113,34 @@ fn check_drafts_are_batch_and_history_invariant<B: Backend>(model: &Model<B>, dr
     assert_ne!(bits(&want[0].logp), bits(&want[2].logp), "{label}: two prompts' drafts are identical");
 }
 
+/// A draft's candidates are the top-K (reference: `cpu::topk`) of the logits of its masked positions,
+/// and its argmax draft their argmax, for each block of a batch of three.
+fn check_drafts_are_the_logits_topk<B: Backend>(model: &Model<B>, drafter: &Drafter<B>, label: &str) {
+    let (depth, vocab) = (drafter.dflash().depth(), model.config().vocab_size);
+    let mut cache = drafter.new_cache(64, 16, 64).unwrap();
+    let mut blocks = Vec::new();
+    for p in PROMPTS {
+        let seq = cache.add_sequence();
+        let context = p.len() - 1;
+        drafter.write_context(&mut cache, &[(seq, context)], &features(model, drafter, &p[..context])).unwrap();
+        blocks.push((seq, *p.last().unwrap()));
+    }
+    let logits = drafter.draft_logits(&mut cache, &blocks).unwrap();
+    assert_eq!(logits.len(), blocks.len() * depth * vocab, "{label}: logits shape");
+    for k in [1, 4, 64] {
+        let got = drafter.draft(&mut cache, &blocks, Some(k)).unwrap();
+        let want = topk_logsumexp(kdtree_engine::Logits::F32(&logits), blocks.len(), depth, vocab, k).unwrap();
+        let ids: Vec<i32> = got.iter().flat_map(|d| d.ids.iter().copied()).collect();
+        let logp: Vec<f32> = got.iter().flat_map(|d| d.logp.iter().copied()).collect();
+        assert_eq!(ids, want.ids, "{label}: k {k}: ids");
+        assert_eq!(bits(&logp), bits(&want.logp), "{label}: k {k}: log-probs");
+    }
+    let argmax: Vec<i32> = drafter.draft(&mut cache, &blocks, None).unwrap().into_iter().flat_map(|d| d.ids).collect();
+    let mut want = vec![0i32; blocks.len() * depth];
+    rowops::argmax(&logits, vocab, &mut want).unwrap();
+    assert_eq!(argmax, want, "{label}: argmax drafts");
+}
+
 /// Worst relative L2 error of the rows of `got` against `want` (`[rows, width]`), each row centred first
 /// (log-probs differ from logits by a per-row constant).
 fn worst_centred_rel(got: &[f32], want: &[f32], width: usize) -> f64 {
@@ -141,13 +171,8 @@ fn check_against_transformers<B: Backend>(drafter: &Drafter<B>, label: &str) {
         let mut cache = drafter.new_cache(16, 16, 64).unwrap();
         let seq = cache.add_sequence();
         drafter.write_context(&mut cache, &[(seq, context)], &features).unwrap();
-        let d = drafter.draft(&mut cache, &[(seq, bonus as u32)], Some(vocab)).unwrap().remove(0);
-        let mut got = vec![0f32; d.logp.len()];
-        for (row, (ids, logp)) in d.ids.chunks(vocab).zip(d.logp.chunks(vocab)).enumerate() {
-            for (&id, &l) in ids.iter().zip(logp) {
-                got[row * vocab + id as usize] = l;
-            }
-        }
+        let got = drafter.draft_logits(&mut cache, &[(seq, bonus as u32)]).unwrap();
+        assert_eq!(got.len(), drafter.dflash().depth() * vocab);
         let err = worst_centred_rel(&got, &case.array::<f32>("logp").unwrap(), vocab);
         println!("{label} {}: worst row error {err:.3e} (bound {MAX_ROW_REL:.1e})", case.name());
         assert!(err <= MAX_ROW_REL, "{label} {}: worst row error {err:.3e} > {MAX_ROW_REL:.1e}", case.name());
@@ -163,6 +188,12 @@ fn check_against_transformers<B: Backend>(drafter: &Drafter<B>, label: &str) {
 fn drafts_match_transformers() {
     let model = Model::load(tiny_dir()).unwrap();
     check_against_transformers(&Drafter::load(drafter_dir(), &model).unwrap(), "cpu");
+}
+
+#[test]
+fn drafts_are_the_logits_topk() {
+    let model = Model::load(tiny_dir()).unwrap();
+    check_drafts_are_the_logits_topk(&model, &Drafter::load(drafter_dir(), &model).unwrap(), "cpu");
 }
 
 #[test]
@@ -246,6 +277,7 @@ mod cuda {
         check_against_transformers(&drafter, "cuda");
         for graphs in [false, true] {
             drafter.model().set_graphs(graphs);
+            check_drafts_are_the_logits_topk(&model, &drafter, &format!("cuda, graphs {graphs}"));
             check_drafts_are_batch_and_history_invariant(&model, &drafter, &format!("cuda, graphs {graphs}"));
         }
     }

@@ -1,11 +1,14 @@
 //! Top-K with logsumexp: CPU and GPU against the numpy fixtures (bit-exact), GPU against CPU on random
-//! inputs, and bad input.
+//! inputs, and bad input; the same through each backend's `Backend::topk`, the operation a model step
+//! runs.
 
 mod common;
 
 use common::{assert_bits, assert_same, cases};
+use kdtree_engine::cpu::backend::CpuBackend;
 use kdtree_engine::cpu::topk::{expd, topk_logsumexp};
 use kdtree_engine::fixture::Fixture;
+use kdtree_engine::model::backend::Backend;
 use kdtree_engine::{Error, Logits, TopK};
 
 /// (bs, L, V, K) of a top-K fixture.
@@ -70,6 +73,53 @@ fn bad_input_is_a_named_error() {
     assert!(matches!(huge, Err(Error::Param { name: "logits", .. })), "a shape whose size overflows is an error");
 }
 
+/// `Backend::topk` gives every fixture's ids and log-prob bits (bf16 logits widened to f32, which is
+/// what the reference does with them), with K and the row count changing from call to call.
+fn backend_matches_every_fixture<B: Backend>(b: &B) {
+    for case in cases("topk") {
+        let (bs, l, v, k) = dims(&case);
+        let owned = case.logits("logits").unwrap();
+        let logits = owned.view();
+        let x: Vec<f32> = (0..logits.len()).map(|i| logits.get(i)).collect();
+        let rows = bs * l;
+        let (mut ids, mut logp) = (b.zeros::<i32>(rows * k).unwrap(), b.zeros::<f32>(rows * k).unwrap());
+        b.topk(&b.upload(&x).unwrap(), v, rows, k, &mut ids, &mut logp).unwrap();
+        b.check().unwrap();
+        let name = case.name();
+        assert_same(&name, "top_ids", &b.read(&ids, rows * k).unwrap(), &case.array::<i32>("top_ids").unwrap());
+        assert_bits(&name, "top_logp", &b.read(&logp, rows * k).unwrap(), &case.array::<f32>("top_logp").unwrap());
+    }
+}
+
+/// A row of invalid logits is an error naming the row, from the call or the next check, and it does not
+/// stay behind to fail the next call.
+fn backend_reports_bad_logits<B: Backend>(b: &B) {
+    let (rows, vocab, k) = (3, 20_000, 16);
+    let mut x = vec![0.25f32; rows * vocab];
+    let (mut ids, mut logp) = (b.zeros::<i32>(rows * k).unwrap(), b.zeros::<f32>(rows * k).unwrap());
+    let mut run =
+        |x: &[f32]| b.topk(&b.upload(x).unwrap(), vocab, rows, k, &mut ids, &mut logp).and_then(|()| b.check());
+    x[vocab + 17] = f32::NAN;
+    let err = run(&x).unwrap_err();
+    assert!(matches!(err, Error::Logits { row: 1, problem: "NaN logit", .. }), "{err}");
+    x[vocab + 17] = 0.0;
+    x[2 * vocab..].fill(f32::NEG_INFINITY);
+    let err = run(&x).unwrap_err();
+    assert!(matches!(err, Error::Logits { row: 2, .. }), "{err}");
+    x[2 * vocab..].fill(1.0);
+    run(&x).unwrap();
+}
+
+#[test]
+fn cpu_backend_matches_every_fixture() {
+    backend_matches_every_fixture(&CpuBackend);
+}
+
+#[test]
+fn cpu_backend_reports_bad_logits() {
+    backend_reports_bad_logits(&CpuBackend);
+}
+
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
@@ -97,6 +147,23 @@ mod gpu {
             let got = gpu.topk_logsumexp(logits.view(), bs, l, v, k).unwrap();
             check_against_fixture(&case, &got);
         }
+    }
+
+    fn backend() -> Option<kdtree_engine::cuda::backend::CudaBackend> {
+        gpu()?;
+        Some(kdtree_engine::cuda::backend::CudaBackend::new(kdtree_engine::cuda::Gpu::new(0).unwrap()).unwrap())
+    }
+
+    #[test]
+    fn cuda_backend_matches_every_fixture() {
+        let Some(b) = backend() else { return };
+        backend_matches_every_fixture(&b);
+    }
+
+    #[test]
+    fn cuda_backend_reports_bad_logits() {
+        let Some(b) = backend() else { return };
+        backend_reports_bad_logits(&b);
     }
 
     #[test]

@@ -11,9 +11,10 @@ use crate::cpu::kv_compact::kv_compact;
 use crate::cpu::mla::{mla_decode, tree_verify, MlaOutput, PagedCache, LATENT, ROW};
 use crate::cpu::moe_int4::{moe_int4, route, Experts, Int4Matrix, Int4Owned, OwnedExperts};
 use crate::cpu::rowops::{self, QueryShape};
+use crate::cpu::topk;
 use crate::error::{check_len, Error, Result};
 use crate::model::backend::{AttentionInputs, Backend, Compaction, Elem, HeadStrides, KvWrite, TreeRows};
-use crate::types::KvLayout;
+use crate::types::{KvLayout, Logits};
 
 /// The CPU backend (see the module documentation).
 #[derive(Clone, Copy, Debug, Default)]
@@ -294,6 +295,21 @@ impl Backend for CpuBackend {
 
     fn argmax(&self, x: &Vec<f32>, vocab: usize, rows: usize, out: &mut Vec<i32>) -> Result<()> {
         rowops::argmax(prefix("x", x, rows * vocab)?, vocab, prefix_mut("out", out, rows)?)
+    }
+
+    fn topk(
+        &self,
+        x: &Vec<f32>,
+        vocab: usize,
+        rows: usize,
+        k: usize,
+        ids: &mut Vec<i32>,
+        logp: &mut Vec<f32>,
+    ) -> Result<()> {
+        let top = topk::topk_logsumexp(Logits::F32(prefix("x", x, rows * vocab)?), 1, rows, vocab, k)?;
+        prefix_mut("ids", ids, rows * k)?.copy_from_slice(&top.ids);
+        prefix_mut("logp", logp, rows * k)?.copy_from_slice(&top.logp);
+        Ok(())
     }
 
     fn attention(

@@ -18,7 +18,8 @@ use super::kv_compact::{self, CompactArgs};
 use super::mla::{DeviceCache, DeviceMlaOutput, MlaPlan};
 use super::moe_int4::{dequantize_native, random_native, DeviceExperts, DeviceInt4, ExpertsShape, MoePlan};
 use super::rowops::{self, KvRowInputs};
-use super::{cuda_err, Gpu};
+use super::topk::{TopKPlan, TopKViews};
+use super::{cuda_err, status_error, DeviceLogits, Gpu};
 use crate::cpu::mla::ROW;
 use crate::cpu::moe_int4::Experts;
 use crate::cpu::rowops::QueryShape;
@@ -114,6 +115,28 @@ fn output_rows<'a>(
     })
 }
 
+/// The top-K plan of the last K and vocabulary asked for, with the lse and status words its runs write
+/// beside the caller's ids and log-probs.
+struct SizedTopK {
+    plan: TopKPlan,
+    lse: CudaSlice<f32>,
+    /// Per row; copied out and zeroed by [`Backend::fetch_status`], checked by [`Backend::check`].
+    status: CudaSlice<i32>,
+    status_host: PinnedHostSlice<i32>,
+}
+
+impl SizedTopK {
+    fn new(gpu: &Gpu, rows: usize, vocab: usize, k: usize) -> Result<Self> {
+        Ok(SizedTopK {
+            plan: TopKPlan::new(gpu, rows, vocab, k)?,
+            lse: gpu.zeros(rows)?,
+            status: gpu.zeros(rows)?,
+            // SAFETY: read only after a copy into it has completed (see `Backend::check`).
+            status_host: unsafe { gpu.context().alloc_pinned::<i32>(rows) }.map_err(|e| cuda_err("alloc_pinned", e))?,
+        })
+    }
+}
+
 /// A MoE plan with the top-k and tokens it was made for.
 struct SizedMoe {
     plan: MoePlan,
@@ -129,6 +152,7 @@ struct Plans {
     /// last is at the end.
     tree_mla: Vec<SizedMla>,
     moe: Option<SizedMoe>,
+    topk: Option<SizedTopK>,
     /// Status word of the indexing row operations (embedding ids, cache slots, gathered rows).
     status: CudaSlice<i32>,
     /// The argmax's per-row keys (zero between calls).
@@ -165,6 +189,7 @@ impl CudaBackend {
             mla: None,
             tree_mla: Vec::new(),
             moe: None,
+            topk: None,
             status: gpu.zeros(1)?,
             argmax_keys: gpu.zeros(1)?,
             status_host: (0..STATUS_WORDS).map(|_| pinned_word(&gpu)).collect::<Result<_>>()?,
@@ -421,6 +446,33 @@ impl Backend for CudaBackend {
         rowops::argmax(&self.gpu, &x.as_view(), vocab, rows, &mut out.as_view_mut(), &mut plans.argmax_keys)
     }
 
+    fn topk(
+        &self,
+        x: &CudaSlice<f32>,
+        vocab: usize,
+        rows: usize,
+        k: usize,
+        ids: &mut CudaSlice<i32>,
+        logp: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let mut plans = self.plans();
+        if !plans.topk.as_ref().is_some_and(|t| t.plan.fits(rows, vocab, k)) {
+            let rows = plans.topk.as_ref().map_or(rows, |t| rows.max(t.status.len()));
+            plans.topk = None;
+            plans.topk = Some(SizedTopK::new(&self.gpu, rows, vocab, k)?);
+            self.bump_epoch();
+        }
+        let t = plans.topk.as_mut().expect("made above");
+        let logits = DeviceLogits::F32(view(x, rows * vocab, "x")?);
+        let mut out = TopKViews {
+            ids: view_mut(ids, rows * k, "ids")?,
+            logp: view_mut(logp, rows * k, "logp")?,
+            lse: t.lse.slice_mut(..rows),
+            status: t.status.slice_mut(..rows),
+        };
+        t.plan.run_into(&self.gpu, &logits, rows, &mut out)
+    }
+
     fn attention(
         &self,
         q: &CudaSlice<bf16>,
@@ -550,6 +602,10 @@ impl Backend for CudaBackend {
             .map_err(|e| cuda_err("copy status", e))?;
         }
         stream.memset_zeros(&mut plans.status).map_err(|e| cuda_err("memset status", e))?;
+        if let Some(t) = &mut plans.topk {
+            stream.memcpy_dtoh(&t.status, &mut t.status_host).map_err(|e| cuda_err("copy status", e))?;
+            stream.memset_zeros(&mut t.status).map_err(|e| cuda_err("memset status", e))?;
+        }
         plans.status_queued = true;
         Ok(())
     }
@@ -573,6 +629,9 @@ impl Backend for CudaBackend {
         }
         MlaPlan::status_error(bits[1])?;
         MlaPlan::status_error(bits[2])?;
+        if let Some(t) = &plans.topk {
+            status_error("topk logits", t.status_host.as_slice().map_err(|e| cuda_err("read status", e))?)?;
+        }
         match &plans.moe {
             Some(moe) => moe.plan.status_error(bits[3]),
             None => Ok(()),

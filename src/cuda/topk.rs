@@ -1,6 +1,6 @@
 //! Launcher of kernels/topk.cu: top-K with logsumexp over the vocabulary (see [`crate::cpu::topk`]).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaViewMut, LaunchConfig, PushKernelArg};
 
 use super::{cuda_err, status_error, to_i32, DeviceLogits, Gpu};
 use crate::cpu::topk::LSE_CHUNK;
@@ -49,6 +49,18 @@ impl DeviceTopK {
         let n = rows * self.k;
         Ok(TopK { bs, depth, k: self.k, ids: ids[..n].to_vec(), logp: logp[..n].to_vec(), lse: lse[..rows].to_vec() })
     }
+}
+
+/// Views of one run's outputs, `rows` rows: `[rows, K]` ids and log-probs, `[rows]` lse and status words.
+pub struct TopKViews<'a> {
+    /// Token ids, value descending then id ascending.
+    pub ids: CudaViewMut<'a, i32>,
+    /// `logit - lse`.
+    pub logp: CudaViewMut<'a, f32>,
+    /// logsumexp per row.
+    pub lse: CudaViewMut<'a, f32>,
+    /// Per-row validation bits; nonzero means the row's logits were invalid.
+    pub status: CudaViewMut<'a, i32>,
 }
 
 /// Scratch for up to `rows` rows of `vocab` logits and a fixed K: the chunks' candidates and statistics.
@@ -122,20 +134,46 @@ impl TopKPlan {
         })
     }
 
+    /// Whether the plan serves `rows` rows of `vocab` logits with this K.
+    pub fn fits(&self, rows: usize, vocab: usize, k: usize) -> bool {
+        rows <= self.rows && vocab == self.vocab && k == self.k
+    }
+
     /// Queues top-K of `rows` rows (at most the plan's) of `logits [rows, vocab]` into `out`.
     pub fn run(&mut self, gpu: &Gpu, logits: &DeviceLogits, rows: usize, out: &mut DeviceTopK) -> Result<()> {
-        if rows == 0 || rows > self.rows || out.rows < rows || out.k != self.k {
+        if out.rows < rows || out.k != self.k {
             return Err(Error::param(
                 "rows",
                 rows,
                 format!("must be in 1..={} with outputs from this plan", self.rows),
             ));
         }
-        check_len("logits", logits.len(), &[("rows", rows), ("V", self.vocab)])?;
         check_len("top_ids", out.ids.len(), &[("rows", out.rows), ("K", self.k)])?;
         check_len("top_logp", out.logp.len(), &[("rows", out.rows), ("K", self.k)])?;
         check_len("lse", out.lse.len(), &[("rows", out.rows)])?;
         check_len("status", out.status.len(), &[("rows", out.rows)])?;
+        let n = rows * self.k;
+        let mut views = TopKViews {
+            ids: out.ids.slice_mut(..n),
+            logp: out.logp.slice_mut(..n),
+            lse: out.lse.slice_mut(..rows),
+            status: out.status.slice_mut(..rows),
+        };
+        self.run_into(gpu, logits, rows, &mut views)?;
+        out.valid_rows = rows;
+        Ok(())
+    }
+
+    /// Like [`TopKPlan::run`], into views of exactly `rows` rows: a caller's own buffers.
+    pub fn run_into(&mut self, gpu: &Gpu, logits: &DeviceLogits, rows: usize, out: &mut TopKViews) -> Result<()> {
+        if rows == 0 || rows > self.rows {
+            return Err(Error::param("rows", rows, format!("must be in 1..={} (the plan's rows)", self.rows)));
+        }
+        check_len("logits", logits.len(), &[("rows", rows), ("V", self.vocab)])?;
+        check_len("top_ids", out.ids.len(), &[("rows", rows), ("K", self.k)])?;
+        check_len("top_logp", out.logp.len(), &[("rows", rows), ("K", self.k)])?;
+        check_len("lse", out.lse.len(), &[("rows", rows)])?;
+        check_len("status", out.status.len(), &[("rows", rows)])?;
         let (vocab, k, chunks) = (to_i32("vocab", self.vocab)?, self.k as i32, self.chunks as i32);
         let fused = Self::fused(self.chunks, self.k);
         let fused_slots = if fused { Self::slots(self.chunks, self.k) as i32 } else { 0 };
@@ -175,7 +213,6 @@ impl TopKPlan {
             unsafe { b.launch(merge_cfg) }.map_err(|e| cuda_err("topk_merge", e))?;
             gpu.after_launch("topk_merge")?;
         }
-        out.valid_rows = rows;
         Ok(())
     }
 }

@@ -205,6 +205,20 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
     /// `out[r]` = argmax of row r of `x [rows, vocab]`.
     fn argmax(&self, x: &Self::Buf<f32>, vocab: usize, rows: usize, out: &mut Self::Buf<i32>) -> Result<()>;
+    /// The `k` best tokens of each row of `x [rows, vocab]` with their log-probabilities, the contract
+    /// and bits of [`crate::cpu::topk::topk_logsumexp`]: `ids [rows, k]` (value descending, then id
+    /// ascending) and `logp [rows, k]` (`logit - logsumexp`). A row of invalid logits (a NaN, a +inf,
+    /// all -inf) is an error, from this call or from the next [`Backend::check`].
+    #[allow(clippy::too_many_arguments)]
+    fn topk(
+        &self,
+        x: &Self::Buf<f32>,
+        vocab: usize,
+        rows: usize,
+        k: usize,
+        ids: &mut Self::Buf<i32>,
+        logp: &mut Self::Buf<f32>,
+    ) -> Result<()>;
 
     /// Absorbed MLA attention of `rows` query rows, rows `first_row ..` of `q [.., heads, 576]`, each over
     /// its own sequence (`inputs` row r for query row `first_row + r`), into the same rows of

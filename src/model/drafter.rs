@@ -247,26 +247,12 @@ impl<B: Backend> Drafter<B> {
 
     /// Drafts one block for each `(sequence, bonus token)` of `blocks` past the sequence's context: the
     /// `k` best tokens of every masked position with their log-probabilities, or with `k` `None` only
-    /// the argmax (computed where the backend lives). The block rows are not committed.
+    /// the argmax, both computed where the backend lives. The block rows are not committed.
     pub fn draft(&self, cache: &mut KvCache<B>, blocks: &[(usize, u32)], k: Option<usize>) -> Result<Vec<BlockDraft>> {
         let (n, depth) = (self.dflash.block_size, self.dflash.depth());
-        let vocab = self.model.config().vocab_size;
-        let tokens: Vec<Vec<u32>> = blocks
-            .iter()
-            .map(|&(_, bonus)| {
-                std::iter::once(bonus).chain(std::iter::repeat_n(self.dflash.mask_token_id, depth)).collect()
-            })
-            .collect();
-        let positions: Vec<u32> = (0..n as u32).collect();
-        let words = n.div_ceil(32);
-        let mut row = vec![0u32; words];
-        for j in 0..n {
-            row[j / 32] |= 1 << (j % 32);
-        }
-        let visibility: Vec<u32> = row.repeat(n);
-        let tree = TreeInput { depth: &positions, visibility: &visibility };
-        let requests: Vec<StepRequest> =
-            blocks.iter().zip(&tokens).map(|(&(seq, _), t)| StepRequest { seq, tokens: t, tree: Some(tree) }).collect();
+        let inputs = BlockInputs::new(&self.dflash, blocks);
+        let requests = inputs.requests(blocks);
+        // Each block's first row is its bonus token's: its result is dropped.
         let Some(k) = k else {
             let argmax = self.model.step_argmax(cache, &requests, Logits::All)?;
             return Ok(argmax
@@ -274,12 +260,54 @@ impl<B: Backend> Drafter<B> {
                 .map(|block| BlockDraft { ids: block[1..].iter().map(|&t| t as i32).collect(), logp: vec![0.0; depth] })
                 .collect());
         };
-        let logits = self.model.step(cache, &requests, Logits::All)?;
-        let mut drafts = Vec::with_capacity(blocks.len());
-        for block in logits.chunks(n * vocab) {
-            let top = crate::cpu::topk::topk_logsumexp(crate::types::Logits::F32(&block[vocab..]), 1, depth, vocab, k)?;
-            drafts.push(BlockDraft { ids: top.ids, logp: top.logp });
+        let top = self.model.step_topk(cache, &requests, Logits::All, k)?;
+        Ok(top
+            .ids
+            .chunks(n * k)
+            .zip(top.logp.chunks(n * k))
+            .map(|(ids, logp)| BlockDraft {
+                ids: ids[k..].iter().map(|&t| t as i32).collect(),
+                logp: logp[k..].to_vec(),
+            })
+            .collect())
+    }
+
+    /// The logits `[blocks, depth, vocab]` of every masked position of the blocks [`Drafter::draft`]
+    /// would draft, read back whole (to inspect the drafter's distribution). The block rows are not
+    /// committed.
+    pub fn draft_logits(&self, cache: &mut KvCache<B>, blocks: &[(usize, u32)]) -> Result<Vec<f32>> {
+        let (n, vocab) = (self.dflash.block_size, self.model.config().vocab_size);
+        let inputs = BlockInputs::new(&self.dflash, blocks);
+        let logits = self.model.step(cache, &inputs.requests(blocks), Logits::All)?;
+        Ok(logits.chunks(n * vocab).flat_map(|block| block[vocab..].iter().copied()).collect())
+    }
+}
+
+/// The step inputs of draft blocks: each block `[bonus, MASK × depth]`, one tree of `block_size` rows
+/// at the block's positions, every row seeing every other.
+struct BlockInputs {
+    tokens: Vec<Vec<u32>>,
+    positions: Vec<u32>,
+    visibility: Vec<u32>,
+}
+
+impl BlockInputs {
+    fn new(dflash: &DflashConfig, blocks: &[(usize, u32)]) -> Self {
+        let (n, depth) = (dflash.block_size, dflash.depth());
+        let tokens = blocks
+            .iter()
+            .map(|&(_, bonus)| std::iter::once(bonus).chain(std::iter::repeat_n(dflash.mask_token_id, depth)).collect())
+            .collect();
+        let mut row = vec![0u32; n.div_ceil(32)];
+        for j in 0..n {
+            row[j / 32] |= 1 << (j % 32);
         }
-        Ok(drafts)
+        BlockInputs { tokens, positions: (0..n as u32).collect(), visibility: row.repeat(n) }
+    }
+
+    /// One tree request per `(sequence, bonus)` of `blocks`, in order.
+    fn requests(&self, blocks: &[(usize, u32)]) -> Vec<StepRequest<'_>> {
+        let tree = TreeInput { depth: &self.positions, visibility: &self.visibility };
+        blocks.iter().zip(&self.tokens).map(|(&(seq, _), t)| StepRequest { seq, tokens: t, tree: Some(tree) }).collect()
     }
 }

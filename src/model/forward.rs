@@ -182,6 +182,9 @@ struct Scratch<B: Backend> {
     last_normed: B::Buf<f32>,
     logits: B::Buf<f32>,
     argmax: B::Buf<i32>,
+    /// `[picked, k]` top-K ids and log-probabilities of the last K a step asked for (empty until then).
+    top_ids: B::Buf<i32>,
+    top_logp: B::Buf<f32>,
 }
 
 impl<B: Backend> Scratch<B> {
@@ -224,6 +227,8 @@ impl<B: Backend> Scratch<B> {
             last_normed: b.zeros(picked * h)?,
             logits: b.zeros(picked * c.vocab_size)?,
             argmax: b.zeros(picked)?,
+            top_ids: b.zeros(1)?,
+            top_logp: b.zeros(1)?,
         })
     }
 }
@@ -262,6 +267,7 @@ struct GraphKey {
     max_seq_len: usize,
     tree_seq_len: usize,
     argmax: bool,
+    topk: Option<usize>,
     /// Bit l: the step copies out layer l's hidden states.
     hidden: u64,
 }
@@ -321,13 +327,26 @@ pub struct StageTime {
 struct Wanted<'a> {
     /// Their argmax.
     argmax: bool,
+    /// Their `k` best tokens with log-probabilities.
+    topk: Option<usize>,
     /// The hidden states of these layers.
     hidden: &'a [usize],
 }
 
 impl Wanted<'_> {
-    const LOGITS: Wanted<'static> = Wanted { argmax: false, hidden: &[] };
-    const ARGMAX: Wanted<'static> = Wanted { argmax: true, hidden: &[] };
+    const LOGITS: Wanted<'static> = Wanted { argmax: false, topk: None, hidden: &[] };
+    const ARGMAX: Wanted<'static> = Wanted { argmax: true, topk: None, hidden: &[] };
+}
+
+/// The `k` best tokens of each chosen row of a step (see [`Model::step_topk`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepTopK {
+    /// Tokens per row.
+    pub k: usize,
+    /// `[rows, k]` token ids, logit descending then id ascending.
+    pub ids: Vec<u32>,
+    /// `[rows, k]` log-probabilities (`logit - logsumexp` of the row).
+    pub logp: Vec<f32>,
 }
 
 /// Timing marks of a profiled step; off, every `lap` does nothing.
@@ -609,6 +628,26 @@ impl<B: Backend> Model<B> {
         Ok(ids.into_iter().map(|t| t as u32).collect())
     }
 
+    /// Like [`Model::step`], but returns only the `k` best tokens of each chosen row with their
+    /// log-probabilities, computed where the backend lives (the bits of [`crate::cpu::topk`]).
+    pub fn step_topk(
+        &self,
+        cache: &mut KvCache<B>,
+        requests: &[StepRequest],
+        which: Logits,
+        k: usize,
+    ) -> Result<StepTopK> {
+        let vocab = self.config.vocab_size;
+        if k == 0 || k > vocab {
+            return Err(Error::param("k", k, format!("must be in 1..={vocab} (the vocabulary)")));
+        }
+        let wanted = Wanted { argmax: false, topk: Some(k), hidden: &[] };
+        self.run_step(cache, requests, which, wanted, &mut Laps::off(&*self.backend), |b, s, rows| {
+            let ids = b.read(&s.top_ids, rows * k)?.into_iter().map(|t| t as u32).collect();
+            Ok(StepTopK { k, ids, logp: b.read(&s.top_logp, rows * k)? })
+        })
+    }
+
     /// Like [`Model::step_argmax`] (and [`Model::step`] when `logits` is set), and also returns every
     /// token's hidden state after each layer of `layers` (the residual stream leaving the layer, what a
     /// DFlash drafter reads as context features).
@@ -623,7 +662,7 @@ impl<B: Backend> Model<B> {
         let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
         let tokens: usize = requests.iter().map(|r| r.tokens.len()).sum();
         let mut laps = Laps::off(&*self.backend);
-        let wanted = Wanted { argmax: true, hidden: layers };
+        let wanted = Wanted { argmax: true, topk: None, hidden: layers };
         self.run_step(cache, requests, which, wanted, &mut laps, |b, s, rows| {
             let mut hidden = Vec::with_capacity(layers.len() * tokens * h);
             for buf in &s.hidden[..layers.len()] {
@@ -737,7 +776,7 @@ impl<B: Backend> Model<B> {
         laps: &mut Laps<B>,
         finish: impl FnOnce(&B, &Scratch<B>, usize) -> Result<T>,
     ) -> Result<T> {
-        let Wanted { argmax, hidden } = wanted;
+        let Wanted { argmax, topk, hidden } = wanted;
         let layers = self.config.num_hidden_layers;
         for (i, &l) in hidden.iter().enumerate() {
             if l >= layers || hidden[..i].contains(&l) {
@@ -763,6 +802,11 @@ impl<B: Backend> Model<B> {
         while s.hidden.len() < hidden.len() {
             s.hidden.push(b.zeros(s.tokens * self.config.hidden_size)?);
         }
+        if let Some(k) = topk.filter(|&k| b.len(&s.top_ids) < s.picked * k) {
+            graphs.recorded.clear(); // they hold the old buffers' addresses
+            s.top_ids = b.zeros(s.picked * k)?;
+            s.top_logp = b.zeros(s.picked * k)?;
+        }
         self.upload_inputs(s, &inputs)?;
         let graphable = requests.iter().all(|r| r.tree.is_some() || r.tokens.len() == 1);
         let hidden_mask = hidden.iter().try_fold(0u64, |m, &l| (l < 64).then(|| m | 1 << l));
@@ -775,6 +819,7 @@ impl<B: Backend> Model<B> {
             max_seq_len: inputs.max_seq_len,
             tree_seq_len: inputs.tree.as_ref().map_or(0, |t| t.max_seq_len),
             argmax,
+            topk,
             hidden: hidden_mask.unwrap_or(0),
         });
         let epoch = b.plan_epoch();
@@ -802,7 +847,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// Queues every operation of a step whose inputs are in the scratch: the layers, the final norm of the
-    /// chosen rows, lm_head, and with `argmax` their argmax.
+    /// chosen rows, lm_head, and what `wanted` asks of them (argmax, top-K, hidden states).
     fn record(
         &self,
         cache: &mut KvCache<B>,
@@ -811,7 +856,7 @@ impl<B: Backend> Model<B> {
         wanted: Wanted,
         laps: &mut Laps<B>,
     ) -> Result<()> {
-        let Wanted { argmax, hidden } = wanted;
+        let Wanted { argmax, topk, hidden } = wanted;
         let b = &*self.backend;
         let (tokens, picked) = (inputs.ids.len(), inputs.pick.len());
         let h = self.config.hidden_size;
@@ -839,6 +884,9 @@ impl<B: Backend> Model<B> {
         b.matmul(&self.lm_head, &s.last_normed, picked, &mut s.logits)?;
         if argmax {
             b.argmax(&s.logits, self.config.vocab_size, picked, &mut s.argmax)?;
+        }
+        if let Some(k) = topk {
+            b.topk(&s.logits, self.config.vocab_size, picked, k, &mut s.top_ids, &mut s.top_logp)?;
         }
         laps.lap(Stage::LmHead)
     }

@@ -13,5 +13,5 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use drafter::{BlockDraft, DflashConfig, Drafter};
-pub use forward::{HiddenStep, KvCache, Logits, Model, Stage, StageTime, StepRequest, TreeCommit, TreeInput};
+pub use forward::{HiddenStep, KvCache, Logits, Model, Stage, StageTime, StepRequest, StepTopK, TreeCommit, TreeInput};
 pub use tokenizer::{ChatMessage, Tokenizer};
