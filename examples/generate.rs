@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use kdtree_engine::model::backend::Backend;
-use kdtree_engine::model::{ChatMessage, Drafter, Model, Tokenizer};
+use kdtree_engine::model::{drafter_beside, ChatMessage, Drafter, Model, Tokenizer};
 use kdtree_engine::spec::{
     DflashProposer, Engine, EngineConfig, Mode, NgramProposer, Proposer, RequestParams, Sampling,
 };
@@ -236,7 +236,7 @@ fn drafter_dir(args: &Args) -> Option<PathBuf> {
     if args.ngram || args.mode == Mode::Ar {
         return None;
     }
-    args.drafter.clone().or_else(|| Some(args.model.join("drafter")).filter(|d| d.join("config.json").exists()))
+    args.drafter.clone().or_else(|| drafter_beside(&args.model))
 }
 
 /// Runs the requests to the end; prints the first one's text as it comes, then the rates and counters.

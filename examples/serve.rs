@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use kdtree_engine::model::backend::Backend;
-use kdtree_engine::model::{Drafter, Model, Tokenizer};
+use kdtree_engine::model::{drafter_beside, Drafter, Model, Tokenizer};
 use kdtree_engine::server::{self, AppState, LoopStarter};
 use kdtree_engine::spec::{DflashProposer, Engine, EngineConfig, Mode, NgramProposer};
 use kdtree_engine::{Error, Result};
@@ -129,7 +129,7 @@ fn serve_model<B: Backend>(args: &Args, model: Model<B>, starter: LoopStarter) -
     let drafter_dir = if args.ngram || args.mode == Mode::Ar {
         None
     } else {
-        args.drafter.clone().or_else(|| Some(args.model.join("drafter")).filter(|d| d.join("config.json").exists()))
+        args.drafter.clone().or_else(|| drafter_beside(&args.model))
     };
     let drafter = drafter_dir.map(|dir| Drafter::load(dir, &model)).transpose()?;
     let context = model.config().max_position_embeddings;

@@ -387,9 +387,11 @@ fn logprobs_are_the_targets_and_match_the_tokens() {
 
 #[test]
 fn metrics_count_requests_tokens_and_drafts_and_disconnects_free_pages() {
-    let server = start(Setup::default());
+    // Room for a stream far longer than the client stays, so that it cannot end before the disconnect
+    // however slowly the client thread is scheduled.
+    let server = start(Setup { max_seq_len: 4096, ..Setup::default() });
     post(&server, "/v1/completions", &completion(&prompts(1)[0], 16));
-    let mut body = completion(&prompts(1)[0], 400);
+    let mut body = completion(&prompts(1)[0], 3500);
     body["stream"] = json!(true);
     {
         let mut response =

@@ -55,21 +55,36 @@ QUANTIZATION_CONFIG = {
 }
 
 
-# Steps timed before a run fits its schedule to its --minutes.
-CALIBRATION_STEPS = 30
+# A run fits its schedule to its --minutes from the pace of steps WARM_STEPS .. CALIBRATION_STEPS: the
+# first steps also compile kernels and grow the allocator, and timing them would plan too few steps.
+WARM_STEPS = 10
+CALIBRATION_STEPS = 40
 
 
-def fit_steps(step, steps, started, minutes):
-    """At step CALIBRATION_STEPS with a time budget: the most steps (at least one more, at most `steps`)
-    that fit `minutes` at the pace so far, printed with the flags that replay it; else `steps` unchanged."""
-    import time
-    if step != CALIBRATION_STEPS or not minutes:
-        return steps
-    per_step = (time.time() - started) / CALIBRATION_STEPS
-    fitted = max(step + 1, min(steps, int(minutes * 60 / per_step)))
-    print(f"{per_step * 1e3:.1f} ms per step: {fitted} steps fit in {minutes} minutes "
-          f"(rerun with --steps {fitted} --minutes 0 for the same schedule)", flush=True)
-    return fitted
+class StepBudget:
+    """Fits a run's step count to `minutes` of wall time (0: the count is left as it is)."""
+
+    def __init__(self, minutes):
+        import time
+        self.minutes, self.started, self.warm_at, self.clock = minutes, time.time(), None, time.time
+
+    def fit(self, step, steps):
+        """Called before each step: at CALIBRATION_STEPS, the most steps (at least one more, at most
+        `steps`) that fit the budget at the pace since WARM_STEPS, printed with the flags that replay
+        it; else `steps` unchanged."""
+        if not self.minutes:
+            return steps
+        if step == WARM_STEPS:
+            self.warm_at = self.clock()
+        if step != CALIBRATION_STEPS:
+            return steps
+        now = self.clock()
+        per_step = (now - self.warm_at) / (CALIBRATION_STEPS - WARM_STEPS)
+        left = self.minutes * 60 - (now - self.started)
+        fitted = max(step + 1, min(steps, step + int(left / per_step)))
+        print(f"{per_step * 1e3:.1f} ms per step: {fitted} steps fit in {self.minutes} minutes "
+              f"(rerun with --steps {fitted} --minutes 0 for the same schedule)", flush=True)
+        return fitted
 
 
 def lr_at(step, steps, peak, warmup, floor):

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-from common import DATA_DIR, MODEL_DIR, SPECIAL_IDS, TARGET_SHAPE, WINDOW, config_json, fit_steps, hf_config, \
+from common import DATA_DIR, MODEL_DIR, SPECIAL_IDS, TARGET_SHAPE, WINDOW, config_json, StepBudget, hf_config, \
     load_target, load_tokens, lr_at
 
 BLOCK = 16
@@ -208,9 +208,10 @@ def main():
     curve, agree_sum, rows_sum = [], torch.zeros(BLOCK - 1, device=device), 0
     t1 = time.time()
     steps, warmup = args.steps, 200
+    budget = StepBudget(args.minutes)
     step = 0
     while step < steps:
-        steps = fit_steps(step, steps, t1, args.minutes)
+        steps = budget.fit(step, steps)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, args.lr, warmup, 0.05)
         n_gen = args.batch * 3 // 4 if len(generated) else 0

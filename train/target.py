@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from common import (DATA_DIR, MODEL_DIR, TARGET_SHAPE, WINDOW, fit_steps, heldout_windows, hf_config, load_tokens, lr_at,
+from common import (DATA_DIR, MODEL_DIR, TARGET_SHAPE, WINDOW, StepBudget, heldout_windows, hf_config, load_tokens, lr_at,
                     perplexity, quantize_experts_, round_to_bf16_, token_digest, token_nll, window_nll, write_target)
 
 BIAS_STEP = 1e-3  # routing-bias update per step (DeepSeek-V3 uses 1e-3)
@@ -100,9 +100,10 @@ def train(args):
     curve, best = [], (float("inf"), None, -1)
     steps = args.steps
     t0 = time.time()
+    budget = StepBudget(args.minutes)
     step = 0
     while step < steps:
-        steps = fit_steps(step, steps, t0, args.minutes)
+        steps = budget.fit(step, steps)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, args.lr, args.warmup, 0.1)
         x, y = batches(train_tokens, args.batch, args.seq, gen, device)

@@ -16,7 +16,7 @@
 //! `fc.weight [hidden, k · hidden]`, `hidden_norm.weight`, `norm.weight` and `layers.{i}.…` named as the
 //! target's `model.layers.{i}.…`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
 use serde::Deserialize;
@@ -122,6 +122,12 @@ pub struct Drafter<B: Backend = CpuBackend> {
     hidden_norm: Norm<B>,
     dflash: DflashConfig,
     scratch: Mutex<Option<ContextScratch<B>>>,
+}
+
+/// The drafter shipped beside the checkpoint in `model_dir`: `<model_dir>/drafter` when it holds a
+/// config.json.
+pub fn drafter_beside(model_dir: impl AsRef<Path>) -> Option<PathBuf> {
+    Some(model_dir.as_ref().join("drafter")).filter(|d| d.join("config.json").exists())
 }
 
 /// The raw `dflash_config` member.

@@ -12,6 +12,6 @@ pub mod rope;
 pub mod tokenizer;
 pub mod weights;
 
-pub use drafter::{BlockDraft, DflashConfig, Drafter};
+pub use drafter::{drafter_beside, BlockDraft, DflashConfig, Drafter};
 pub use forward::{HiddenStep, KvCache, Logits, Model, Stage, StageTime, StepRequest, StepTopK, TreeCommit, TreeInput};
 pub use tokenizer::{ChatMessage, Tokenizer};

@@ -94,7 +94,7 @@ impl Metrics {
                     *bucket += 1;
                 }
             }
-            f.stats = stats.clone();
+            f.stats.clone_from(stats);
         });
     }
 

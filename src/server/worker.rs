@@ -202,13 +202,11 @@ impl<B: Backend, P: Proposer> EngineLoop<'_, '_, B, P> {
         loop {
             if running.is_empty() && waiting.is_empty() {
                 match self.jobs.recv() {
-                    Ok(job) => self.take(job, &mut waiting),
+                    Ok(job) => waiting.push_back(job),
                     Err(_) => return,
                 }
             }
-            while let Ok(job) = self.jobs.try_recv() {
-                self.take(job, &mut waiting);
-            }
+            waiting.extend(self.jobs.try_iter());
             self.drop_disconnected(&mut running, &mut waiting);
             self.admit(&mut running, &mut waiting);
             if running.is_empty() {
@@ -223,11 +221,6 @@ impl<B: Backend, P: Proposer> EngineLoop<'_, '_, B, P> {
             }
             self.publish(&running);
         }
-    }
-
-    /// Moves a job from the channel to the loop's waiting line.
-    fn take(&self, job: Job, waiting: &mut VecDeque<Job>) {
-        waiting.push_back(job);
     }
 
     /// Cancels the running requests whose receiver is gone and forgets such waiting ones.
