@@ -3,7 +3,8 @@
 //! drafts of a budget are the sum of its nodes' path probabilities under the draft. Each step takes the
 //! budget, 0 (a plain decode step) included, with the most expected tokens per second of target step,
 //! from step times measured on the model itself at the step's batch bucket ([`crate::spec::Engine::warm_up`]
-//! at start-up, else the first time a bucket is needed). Drafting is backed off (1, 2, 4 … 64 steps) while
+//! at start-up, else the first time a bucket is needed); the predicted accepted drafts are scaled by how
+//! many the last verifications accepted against their prediction. Drafting is backed off (1, 2, 4 … 64 steps) while
 //! the draft costs a noticeable share of a step and even the best budget, counting the draft's own time,
 //! is slower than plain decoding; greedy output does not depend on any of these choices.
 
@@ -22,6 +23,16 @@ const MAX_BACKOFF: usize = 64;
 
 /// A draft shorter than this share of a plain step is never backed off: skipping it saves nothing.
 const NOTICEABLE_DRAFT: f64 = 0.05;
+
+/// Weight of the earlier verifications in the acceptance calibration, per verification (about the last
+/// 50 count).
+const CALIBRATION_DECAY: f64 = 0.98;
+
+/// Predicted accepted drafts the calibration needs before it moves off 1.
+const CALIBRATION_EVIDENCE: f64 = 4.0;
+
+/// Bounds of the calibration ratio: a few unlucky steps must not switch drafting off for good.
+const CALIBRATION_RANGE: (f64, f64) = (0.25, 4.0);
 
 /// Timed repetitions of a measured step (after two untimed ones); the fastest counts.
 const REPEATS: usize = 3;
@@ -173,16 +184,50 @@ pub(super) fn expected_tokens(
     })
 }
 
-/// `auto`'s state: the step-time table and the drafting back-off.
+/// The drafts a verification accepted against the number the draft's own probabilities predicted,
+/// decayed sums of both: a drafter's probabilities may be over- or under-confident, and the budget
+/// choice scales its predictions by their ratio.
+#[derive(Clone, Copy, Debug, Default)]
+struct Calibration {
+    predicted: f64,
+    observed: f64,
+    /// The prediction of the budget chosen for the step in flight.
+    pending: Option<f64>,
+}
+
+impl Calibration {
+    /// Observed over predicted accepted drafts, 1 until there is enough evidence.
+    fn ratio(&self) -> f64 {
+        if self.predicted < CALIBRATION_EVIDENCE {
+            return 1.0;
+        }
+        (self.observed / self.predicted).clamp(CALIBRATION_RANGE.0, CALIBRATION_RANGE.1)
+    }
+
+    fn observe(&mut self, accepted: usize) {
+        if let Some(predicted) = self.pending.take() {
+            self.predicted = CALIBRATION_DECAY * self.predicted + predicted;
+            self.observed = CALIBRATION_DECAY * self.observed + accepted as f64;
+        }
+    }
+}
+
+/// `auto`'s state: the step-time table, the acceptance calibration and the drafting back-off.
 pub(super) struct AutoBudget {
     times: StepTimes,
+    calibration: Calibration,
     skip: usize,
     backoff: usize,
 }
 
 impl AutoBudget {
     pub(super) fn new(times: StepTimes) -> Self {
-        AutoBudget { times, skip: 0, backoff: 1 }
+        AutoBudget { times, calibration: Calibration::default(), skip: 0, backoff: 1 }
+    }
+
+    /// Records how many drafts the verification of the step `choose` last chose a budget for accepted.
+    pub(super) fn observe(&mut self, accepted: usize) {
+        self.calibration.observe(accepted);
     }
 
     /// Whether this step skips drafting (a back-off step); counts it.
@@ -205,10 +250,10 @@ impl AutoBudget {
         self.times.measure(model, cache, batch, layers)
     }
 
-    /// The budget of this step of `batch` sequences: the most expected tokens (`expected(budget)`) per
-    /// second of target step (the draft is already made). Starts a back-off when the draft took a
-    /// noticeable share of a step and the best budget, counting `draft` time, is slower than a plain
-    /// step.
+    /// The budget of this step of `batch` sequences: the most expected tokens (`expected(budget)`, its
+    /// accepted drafts scaled by the calibration) per second of target step (the draft is already
+    /// made). Starts a back-off when the draft took a noticeable share of a step and the best budget,
+    /// counting `draft` time, is slower than a plain step.
     pub(super) fn choose<B: Backend>(
         &mut self,
         model: &Model<B>,
@@ -221,10 +266,12 @@ impl AutoBudget {
         self.times.measure(model, cache, batch, layers)?;
         let plain = self.times.seconds(model, cache, batch, 1, layers)?;
         let plain_rate = batch as f64 / plain;
+        let (no_drafts, ratio) = (expected(0), self.calibration.ratio());
+        let calibrated = |budget| no_drafts + ratio * (expected(budget) - no_drafts);
         let (mut best, mut best_rate, mut drafted_rate) = (0, plain_rate, 0f64);
         for budget in self.times.budgets.clone().into_iter().filter(|&b| b > 0) {
             let t = self.times.seconds(model, cache, batch, budget + 1, layers)?;
-            let tokens = expected(budget);
+            let tokens = calibrated(budget);
             if tokens / t > best_rate {
                 (best, best_rate) = (budget, tokens / t);
             }
@@ -236,6 +283,37 @@ impl AutoBudget {
         } else {
             self.backoff = 1;
         }
+        self.calibration.pending = (best > 0).then(|| expected(best) - no_drafts);
         Ok(best)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Verifications that each accepted `accepted` drafts against a prediction of `predicted`.
+    fn run(c: &mut Calibration, steps: usize, predicted: f64, accepted: usize) {
+        for _ in 0..steps {
+            c.pending = Some(predicted);
+            c.observe(accepted);
+        }
+    }
+
+    #[test]
+    fn calibration_follows_the_observed_ratio_within_bounds() {
+        let mut c = Calibration::default();
+        assert_eq!(c.ratio(), 1.0);
+        run(&mut c, 2, 1.0, 3);
+        assert_eq!(c.ratio(), 1.0, "too little evidence to move");
+        run(&mut c, 200, 1.0, 2);
+        assert!((c.ratio() - 2.0).abs() < 0.01, "{}", c.ratio());
+        run(&mut c, 400, 1.5, 0);
+        assert_eq!(c.ratio(), CALIBRATION_RANGE.0);
+        run(&mut c, 400, 0.1, 3);
+        assert_eq!(c.ratio(), CALIBRATION_RANGE.1);
+        let before = (c.predicted, c.observed);
+        c.observe(5);
+        assert_eq!((c.predicted, c.observed), before, "a step with no chosen budget is not counted");
     }
 }

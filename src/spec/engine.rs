@@ -618,6 +618,7 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
         let started = Instant::now();
         self.cache.commit_trees(self.model.backend(), &commits, n_rows)?;
         self.stats.stages.compaction += started.elapsed();
+        self.auto.observe(acc.accept_len[..drafted.len()].iter().map(|&a| a as usize).sum());
         let mut emitted = Vec::with_capacity(drafted.len());
         for (b, &i) in drafted.iter().enumerate() {
             let a = acc.accept_len[b] as usize;
