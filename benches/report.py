@@ -121,19 +121,42 @@ def compact_table(res):
     return lines
 
 
-def gemm_table(res):
-    """Dense bf16 GEMM: the weight bytes (N · K bf16) over the run's time, against the copy ceiling."""
+GEMM_SHAPES = {(1536, 7168): "q_a", (12288, 1536): "q_b", (576, 7168): "kv_a", (7168, 8192): "o_proj",
+               (4096, 7168): "shared gate+up", (7168, 2048): "shared down", (36864, 7168): "dense gate+up",
+               (7168, 18432): "dense down", (163840, 7168): "lm_head"}
+
+
+def flops_cells(flops, ns, mma):
+    """The TFLOP/s and % of the mma.sync rate cells of `flops` done in `ns`."""
+    if not ns:
+        return ["–", "–"]
+    tflops = flops / ns / 1e3
+    return [f"{tflops:.1f}", f"{100 * tflops / mma:.0f}%" if mma else "–"]
+
+
+def gemm_table(res, mma):
+    """Dense bf16 GEMM: the weight bytes (N · K bf16) over the run's time against the copy ceiling, and
+    2 · N · K · T FLOPs against the mma.sync rate, beside cuBLAS on the same shapes."""
     title = "gemm_bf16 (dense projections, bf16 weights, f32 activations split into bf16 hi + lo)"
     lines, ceiling = table_start(res, "gemm_bf16", title)
-    lines += ["| N | K | T | weight MB | CPU | GPU | speedup | GB/s | % copy |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    keys = sorted({p for (g, _, p) in res if g == "gemm_bf16"}, key=lambda p: (params(p)["n"] * params(p)["k"], params(p)["t"]))
+    if mma:
+        lines += [f"mma.sync m16n8k16 bf16 rate in the same run: **{mma:.0f} TFLOP/s** "
+                  "(the hi + lo split runs two mma per product, so this kernel's ceiling is half of it).", ""]
+    lines += ["| shape | N | K | T | GPU | GB/s | % copy | TFLOP/s | % mma | cuBLAS | GB/s | TFLOP/s | cuBLAS time / GPU | CPU |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    keys = sorted({p for (g, _, p) in res if g == "gemm_bf16"},
+                  key=lambda p: (list(GEMM_SHAPES).index((params(p)["n"], params(p)["k"]))
+                                 if (params(p)["n"], params(p)["k"]) in GEMM_SHAPES else 99, params(p)["t"]))
     for p in keys:
         q = params(p)
-        cpu, gpu = res.get(("gemm_bf16", "cpu", p)), res.get(("gemm_bf16", "gpu", p))
-        weight_bytes = 2 * q["n"] * q["k"]
-        cells = [str(q["n"]), str(q["k"]), str(q["t"]), f"{weight_bytes / 1e6:.0f}", fmt_time(cpu) if cpu else "–",
-                 fmt_time(gpu) if gpu else "–", fmt_speedup(cpu, gpu)]
-        cells += bandwidth_cells(weight_bytes, gpu, ceiling)
+        cpu, gpu, blas = (res.get(("gemm_bf16", row, p)) for row in ("cpu", "gpu", "cublas_bf16"))
+        weight_bytes, flops = 2 * q["n"] * q["k"], 2 * q["n"] * q["k"] * q["t"]
+        cells = [GEMM_SHAPES.get((q["n"], q["k"]), "–"), str(q["n"]), str(q["k"]), str(q["t"]),
+                 fmt_time(gpu) if gpu else "–"]
+        cells += bandwidth_cells(weight_bytes, gpu, ceiling) + flops_cells(flops, gpu, mma)
+        cells += [fmt_time(blas) if blas else "–", bandwidth_cells(weight_bytes, blas, ceiling)[0],
+                  flops_cells(flops, blas, mma)[0], f"{blas / gpu:.2f}" if blas and gpu else "–",
+                  fmt_time(cpu) if cpu else "–"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -238,7 +261,7 @@ def moe_table(res, root, group):
     return lines
 
 
-def render(res, root):
+def render(res, root, mma=None):
     lines = []
     if any(g == "topk" for (g, _, _) in res):
         lines += bandwidth_table(res, "topk", lambda q: q["bs"] * DEPTH, "topk + logsumexp (L 15, K = B)") + [""]
@@ -250,7 +273,7 @@ def render(res, root):
     if any(g == "kv_compact" for (g, _, _) in res):
         lines += compact_table(res) + [""]
     if any(g == "gemm_bf16" for (g, _, _) in res):
-        lines += gemm_table(res) + [""]
+        lines += gemm_table(res, mma) + [""]
     if any(g == "mla" for (g, _, _) in res):
         lines += mla_tables(res) + [""]
     for group in ("moe_int4", "moe_int4_tiled"):
@@ -264,8 +287,9 @@ def main():
     ap.add_argument("criterion_dir", type=pathlib.Path)
     ap.add_argument("--into", type=pathlib.Path)
     ap.add_argument("--title", default="tables")
+    ap.add_argument("--mma-rate", type=float, help="mma.sync rate in TFLOP/s (benches/microbench/mma_rate.cu)")
     args = ap.parse_args()
-    tables = render(load(args.criterion_dir), args.criterion_dir)
+    tables = render(load(args.criterion_dir), args.criterion_dir, args.mma_rate)
     if not args.into:
         print(tables)
         return

@@ -6,7 +6,7 @@
 # case next to the test source) are copied to $OUT/proptest-regressions/, so that a case found here can
 # be committed in the repository (this machine has no git).
 # TESTS="gpu-pack/tests/NAME ..." limits the tests step to those binaries.
-# Usage: scripts/gpu-run.sh [tests|engine|kernels|spec|perplexity|serving|step|sanitize|sanitize:quick|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
+# Usage: scripts/gpu-run.sh [tests|engine|kernels|spec|perplexity|serving|step|mma|sanitize|sanitize:quick|sanitize:NAME|profile|profile:moe|profile:mla|bench|bench:NAME|bench:NAME:FILTER]...
 #        (FILTER: a criterion name filter, e.g. bench:mla:gpu_decode runs only those rows)
 #        step: the Kimi-K2-shaped step table (examples/bench_step, random weights, 64 and 8 heads)
 #        engine: the engine's tok/s table beside transformers' (examples/bench_generate, scripts/hf_generate_bench.py)
@@ -14,6 +14,7 @@
 #        spec: greedy generation in every speculative mode (examples/generate --mode) on the shipped model
 #        with held-out prompts, drafts from its DFlash drafter at batch SPEC_BATCHES (default 1 4 8 16 64)
 #        and from prompt lookup at SPEC_NGRAM_BATCHES (default 1 8 64); SPEC_PROPOSERS picks (dflash ngram)
+#        mma: the mma.sync rate (benches/microbench/mma_rate.cu), given to benches/report.py
 #        perplexity: the shipped model's held-out perplexity on CUDA beside PyTorch's (examples/perplexity)
 #        serving: examples/serve --gpu in each of SERVE_MODES under examples/bench_serving's sweep
 #        sanitize: memcheck and racecheck of every test of every binary, SANITIZE_JOBS (default 8)
@@ -257,6 +258,16 @@ run_step_bench() {
     done
 }
 
+# The mma.sync m16n8k16 bf16 rate (benches/microbench/mma_rate.cu, compiled here), the compute ceiling
+# the GEMM table is read against; the best rate goes to $out/mma_rate.txt for benches/report.py.
+run_mma_rate() {
+    (cd benches/microbench && nvcc -arch=sm_90 -O3 -std=c++17 mma_rate.cu -o "$out/mma_rate") >"$logs/mma_rate.log" 2>&1 &&
+        "$out/mma_rate" >>"$logs/mma_rate.log" 2>&1
+    grep -o '[0-9.]* TFLOP/s' "$logs/mma_rate.log" | sort -n | tail -1 | cut -d' ' -f1 >"$out/mma_rate.txt"
+    rm -f "$out/mma_rate"
+    note "mma.sync rate: $(cat "$out/mma_rate.txt") TFLOP/s"
+}
+
 run_bench() {
     local name=$1 filter=${2:-}
     # shellcheck disable=SC2086  # BENCH_ARGS holds several options
@@ -274,6 +285,7 @@ for step in $steps; do
         step) run_step_bench ;;
         kernels) run_kernel_sum ;;
         spec) run_spec ;;
+        mma) run_mma_rate ;;
         perplexity) run_perplexity ;;
         serving) run_serving ;;
         sanitize) run_sanitizer '*' ;;
@@ -294,4 +306,6 @@ rm -rf "$regressions_before"
 [ -d target/criterion ] && tar -czf "$out/criterion.tar.gz" -C target criterion
 tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$logs"
 cat "$out/gpu.txt" "$out/summary.txt"
-if [ -d target/criterion ]; then python3 benches/report.py target/criterion; fi
+mma_args=()
+[ -s "$out/mma_rate.txt" ] && mma_args=(--mma-rate "$(cat "$out/mma_rate.txt")")
+if [ -d target/criterion ]; then python3 benches/report.py target/criterion "${mma_args[@]}"; fi

@@ -28,7 +28,9 @@ const NOTICEABLE_DRAFT: f64 = 0.05;
 /// 50 count).
 const CALIBRATION_DECAY: f64 = 0.98;
 
-/// Predicted accepted drafts the calibration needs before it moves off 1.
+/// Predicted accepted drafts the calibration needs before it trusts its ratio; until then it takes the
+/// optimistic bound, so that the first steps verify drafts and gather the evidence (a pessimistic start
+/// would back drafting off before any verification could show it pays).
 const CALIBRATION_EVIDENCE: f64 = 4.0;
 
 /// Bounds of the calibration ratio: a few unlucky steps must not switch drafting off for good.
@@ -196,10 +198,10 @@ struct Calibration {
 }
 
 impl Calibration {
-    /// Observed over predicted accepted drafts, 1 until there is enough evidence.
+    /// Observed over predicted accepted drafts, the upper bound until there is enough evidence.
     fn ratio(&self) -> f64 {
         if self.predicted < CALIBRATION_EVIDENCE {
-            return 1.0;
+            return CALIBRATION_RANGE.1;
         }
         (self.observed / self.predicted).clamp(CALIBRATION_RANGE.0, CALIBRATION_RANGE.1)
     }
@@ -303,9 +305,9 @@ mod tests {
     #[test]
     fn calibration_follows_the_observed_ratio_within_bounds() {
         let mut c = Calibration::default();
-        assert_eq!(c.ratio(), 1.0);
-        run(&mut c, 2, 1.0, 3);
-        assert_eq!(c.ratio(), 1.0, "too little evidence to move");
+        assert_eq!(c.ratio(), CALIBRATION_RANGE.1, "optimistic without evidence");
+        run(&mut c, 2, 1.0, 0);
+        assert_eq!(c.ratio(), CALIBRATION_RANGE.1, "too little evidence to move");
         run(&mut c, 200, 1.0, 2);
         assert!((c.ratio() - 2.0).abs() < 0.01, "{}", c.ratio());
         run(&mut c, 400, 1.5, 0);
