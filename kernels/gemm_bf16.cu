@@ -13,8 +13,10 @@
 //     partial is one warp's MMA chain over its k16 steps in order, and gemm_reduce adds the chunk partials
 //     in chunk order. The position of a token inside the tile does not matter: an MMA computes each output
 //     element from its own row and column.
-// Three tile shapes (Narrow and Medium for a few tokens, Wide for many; see below) with a cp.async ring
-// of (W, x hi, x lo) tiles. Rows past N and tokens past T are zero-filled and never written.
+// Four tile shapes (Narrow and Medium for a few tokens, Wide and Tall for many; see below) with a
+// cp.async ring of (W, x hi, x lo) tiles. Rows past N and tokens past T are zero-filled and never
+// written. The token tiles of one weight tile are neighbours in the grid (blockIdx.x), so that when T
+// spans several of them they run together and the weight tile comes from HBM once, then from L2.
 #include "common.cuh"
 
 namespace kdt {
@@ -30,18 +32,22 @@ struct Operand {
 };
 
 // A CTA's tile: TILE_N weight rows x TILE_T tokens, staged TILE_K values of k at a time in a ring of
-// STAGES. The 8 warps split the rows into groups of 16 and the tokens into the remaining factor; every
-// warp runs all k16 steps of the chunk for its (16 rows, tokens) in order.
-template <int TILE_N_, int TILE_T_, int TILE_K_, int STAGES_>
+// STAGES. The 8 warps split the rows into groups of WARP_ROWS (16 or 32: one or two m16 fragments) and
+// the tokens into the remaining factor; every warp runs all k16 steps of the chunk for its (rows,
+// tokens) in order. Two fragments per warp halve the shared-memory reads of x per mma, which is what
+// limits a many-token tile.
+template <int TILE_N_, int TILE_T_, int TILE_K_, int STAGES_, int WARP_ROWS_ = 16>
 struct Shape {
     static constexpr int TILE_N = TILE_N_, TILE_T = TILE_T_, TILE_K = TILE_K_, STAGES = STAGES_;
+    static constexpr int WARP_ROWS = WARP_ROWS_;
     static constexpr int LD = TILE_K + 8;  // 16 B of padding: the 8 rows of an ldmatrix fall in distinct banks
     static constexpr int PIECES = TILE_K / 8;  // 16-byte pieces per staged row
-    static constexpr int ROW_GROUPS = TILE_N / 16;
+    static constexpr int ROW_GROUPS = TILE_N / WARP_ROWS;
+    static constexpr int M_TILES = WARP_ROWS / 16;
     static constexpr int TOKEN_GROUPS = WARPS / ROW_GROUPS;
     static constexpr int WARP_TOKENS = TILE_T / TOKEN_GROUPS;
     static constexpr int N_TILES = WARP_TOKENS / 8;
-    static_assert(ROW_GROUPS * TOKEN_GROUPS == WARPS && N_TILES % 2 == 0, "warp grid");
+    static_assert(ROW_GROUPS * TOKEN_GROUPS == WARPS && N_TILES % 2 == 0 && WARP_ROWS % 16 == 0, "warp grid");
 
     struct Stage {
         __nv_bfloat16 w[TILE_N][LD];
@@ -52,11 +58,13 @@ struct Shape {
 
 // Narrow and Medium: up to 16 or 32 tokens (decode), where the weight bytes are the cost: wide rows of k
 // per stage and many bytes in flight (Medium has one stage less to fit its larger token tiles in 99 KB).
-// Wide: many tokens, where each staged weight tile should feed more MMAs. All run the same per-element
-// operations in the same order, so the host may pick any of them for any T.
+// Wide (up to 64 tokens) and Tall (128 per tile, any count): many tokens, where each staged weight tile
+// should feed more MMAs; Tall's warps hold 32 rows each. All run the same per-element operations in the
+// same order, so the host may pick any of them for any T.
 typedef Shape<128, 16, 64, 4> Narrow;
 typedef Shape<128, 32, 64, 3> Medium;
 typedef Shape<64, 64, 32, 4> Wide;
+typedef Shape<128, 128, 32, 3, 32> Tall;
 
 // Stages the slice at `k0` of the CTA's weight rows and tokens. K, the row strides and the batch strides
 // are multiples of 8 elements and chunks of TILE_K (the host checks), so a 16-byte piece is wholly in or
@@ -79,15 +87,17 @@ __device__ __forceinline__ void load_stage(typename S::Stage& s, const __nv_bflo
     }
 }
 
-// One warp's 16 rows x WARP_TOKENS over a staged slice: per k16 step the hi then the lo product.
+// One warp's WARP_ROWS rows x WARP_TOKENS over a staged slice: per k16 step the hi then the lo product.
 template <class S>
 __device__ __forceinline__ void compute_stage(const typename S::Stage& s, int row0, int tok0,
-                                              float (&acc)[S::N_TILES][4]) {
+                                              float (&acc)[S::M_TILES][S::N_TILES][4]) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int kk = 0; kk < S::TILE_K; kk += 16) {
-        uint32_t a[4];
-        ldmatrix_x4(a, &s.w[row0 + (lane & 15)][kk + (lane >> 4) * 8]);
+        uint32_t a[S::M_TILES][4];
+#pragma unroll
+        for (int m = 0; m < S::M_TILES; ++m)
+            ldmatrix_x4(a[m], &s.w[row0 + m * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
 #pragma unroll
         for (int j = 0; j < S::N_TILES; j += 2) {
             const int tok = tok0 + (j + (lane >> 4)) * 8 + (lane & 7);
@@ -95,15 +105,18 @@ __device__ __forceinline__ void compute_stage(const typename S::Stage& s, int ro
             uint32_t bh[4], bl[4];
             ldmatrix_x4(bh, &s.hi[tok][col]);
             ldmatrix_x4(bl, &s.lo[tok][col]);
-            mma_bf16(acc[j], a, bh[0], bh[1]);
-            mma_bf16(acc[j], a, bl[0], bl[1]);
-            mma_bf16(acc[j + 1], a, bh[2], bh[3]);
-            mma_bf16(acc[j + 1], a, bl[2], bl[3]);
+#pragma unroll
+            for (int m = 0; m < S::M_TILES; ++m) {
+                mma_bf16(acc[m][j], a[m], bh[0], bh[1]);
+                mma_bf16(acc[m][j], a[m], bl[0], bl[1]);
+                mma_bf16(acc[m][j + 1], a[m], bh[2], bh[3]);
+                mma_bf16(acc[m][j + 1], a[m], bl[2], bl[3]);
+            }
         }
     }
 }
 
-// Grid: (ceil(N / TILE_N), ceil(T / TILE_T), batch * ksplit). z = b * ksplit + chunk. With ksplit 1 the
+// Grid: (ceil(T / TILE_T), ceil(N / TILE_N), batch * ksplit). z = b * ksplit + chunk. With ksplit 1 the
 // CTA writes y; otherwise it writes its chunk's partial to part[b][chunk][T][N] for gemm_reduce.
 template <class S>
 __device__ void gemm(const __nv_bfloat16* __restrict__ w, long long w_batch, const __nv_bfloat16* __restrict__ hi,
@@ -113,7 +126,7 @@ __device__ void gemm(const __nv_bfloat16* __restrict__ w, long long w_batch, con
     typedef typename S::Stage Stage;
     Stage* stages = reinterpret_cast<Stage*>(smem_raw);
     const int b = blockIdx.z / ksplit, c = blockIdx.z % ksplit;
-    const int n0 = blockIdx.x * S::TILE_N, t0 = blockIdx.y * S::TILE_T;
+    const int n0 = blockIdx.y * S::TILE_N, t0 = blockIdx.x * S::TILE_T;
     const int k_begin = c * chunk, k_end = min(K, k_begin + chunk);
     w += b * w_batch;
     hi += b * xs.batch;
@@ -126,8 +139,8 @@ __device__ void gemm(const __nv_bfloat16* __restrict__ w, long long w_batch, con
         cp_async_commit();
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row0 = (warp % S::ROW_GROUPS) * 16, tok0 = (warp / S::ROW_GROUPS) * S::WARP_TOKENS;
-    float acc[S::N_TILES][4] = {};
+    const int row0 = (warp % S::ROW_GROUPS) * S::WARP_ROWS, tok0 = (warp / S::ROW_GROUPS) * S::WARP_TOKENS;
+    float acc[S::M_TILES][S::N_TILES][4] = {};
     for (int i = 0; i < tiles; ++i) {
         cp_async_wait<S::STAGES - 2>();
         __syncthreads();
@@ -140,21 +153,22 @@ __device__ void gemm(const __nv_bfloat16* __restrict__ w, long long w_batch, con
     }
     cp_async_wait<0>();
 
-    // Fragment (row g | g + 8, tokens 2q, 2q + 1) of each 8-token tile.
+    // Fragment (row g | g + 8, tokens 2q, 2q + 1) of each 16-row, 8-token tile.
     const int g = lane >> 2, q = lane & 3;
 #pragma unroll
-    for (int j = 0; j < S::N_TILES; ++j) {
+    for (int m = 0; m < S::M_TILES; ++m)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int n = n0 + row0 + g + (e >> 1) * 8;
-            const int t = t0 + tok0 + j * 8 + 2 * q + (e & 1);
-            if (n >= N || t >= T) continue;
-            if (ksplit == 1)
-                y[b * ys.batch + t * ys.row + n] = acc[j][e];
-            else
-                part[((long long)(b * ksplit + c) * T + t) * N + n] = acc[j][e];
-        }
-    }
+        for (int j = 0; j < S::N_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int n = n0 + row0 + m * 16 + g + (e >> 1) * 8;
+                const int t = t0 + tok0 + j * 8 + 2 * q + (e & 1);
+                if (n >= N || t >= T) continue;
+                if (ksplit == 1)
+                    y[b * ys.batch + (long long)t * ys.row + n] = acc[m][j][e];
+                else
+                    part[((long long)(b * ksplit + c) * T + t) * N + n] = acc[m][j][e];
+            }
 }
 
 }  // namespace gemm
@@ -172,6 +186,7 @@ __device__ void gemm(const __nv_bfloat16* __restrict__ w, long long w_batch, con
 KDT_GEMM_KERNEL(gemm_bf16_narrow, kdt::gemm::Narrow)
 KDT_GEMM_KERNEL(gemm_bf16_medium, kdt::gemm::Medium)
 KDT_GEMM_KERNEL(gemm_bf16_wide, kdt::gemm::Wide)
+KDT_GEMM_KERNEL(gemm_bf16_tall, kdt::gemm::Tall)
 #undef KDT_GEMM_KERNEL
 
 // y[b][t][n] = Σ over chunks in order of part[b][chunk][t][n]. One thread per output element.

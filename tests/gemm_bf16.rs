@@ -82,9 +82,9 @@ mod gpu {
         (w, x)
     }
 
-    /// (N, K, T): tails of every tile (of the three tile shapes), one and several K chunks, Kimi-K2's router
-    /// and kv_a shapes.
-    const SHAPES: [(usize, usize, usize); 10] = [
+    /// (N, K, T): tails of every tile (of the four tile shapes, Tall with one to three token tiles), one
+    /// and several K chunks, Kimi-K2's router and kv_a shapes.
+    const SHAPES: [(usize, usize, usize); 12] = [
         (1, 8, 1),
         (200, 96, 29),
         (40, 64, 3),
@@ -95,6 +95,8 @@ mod gpu {
         (576, 7168, 5),
         (256, 128, 200),
         (7168, 2048, 2),
+        (200, 256, 100),
+        (136, 1536, 300),
     ];
 
     #[test]
@@ -140,9 +142,12 @@ mod gpu {
             let weight = DeviceWeight::upload(gpu, &w, 1, n, k).unwrap();
             let batch = gpu.gemm_bf16_on(&weight, &x).unwrap();
             assert!(gpu.gemm_bf16_on(&weight, &x).unwrap() == batch, "N {n} K {k}: reruns differ");
-            // Alone (narrow tiles), inside the first 24 tokens (medium tiles) and inside all 150 (wide tiles).
-            let first = gpu.gemm_bf16_on(&weight, &x[..24 * k]).unwrap();
-            common::assert_bits(&format!("N {n} K {k} 24 tokens"), "y", &first, &batch[..24 * n]);
+            // Alone (narrow tiles), inside the first 24 tokens (medium tiles), the first 60 (wide tiles)
+            // and all 150 (two tall token tiles).
+            for first in [24, 60] {
+                let got = gpu.gemm_bf16_on(&weight, &x[..first * k]).unwrap();
+                common::assert_bits(&format!("N {n} K {k} {first} tokens"), "y", &got, &batch[..first * n]);
+            }
             for t in [0, 23, 77, 149] {
                 let alone = gpu.gemm_bf16_on(&weight, &x[t * k..(t + 1) * k]).unwrap();
                 common::assert_bits(&format!("N {n} K {k} token {t}"), "y", &alone, &batch[t * n..(t + 1) * n]);

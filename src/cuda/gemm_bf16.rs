@@ -33,16 +33,17 @@ impl TileShape {
 
 /// The shapes from fewest to most tokens; a launch takes the first whose token tile holds all its tokens,
 /// else the last.
-pub(crate) const SHAPES: [TileShape; 3] = [
+pub(crate) const SHAPES: [TileShape; 4] = [
     TileShape { name: "gemm_bf16_narrow", rows: 128, tokens: 16, k: 64, stages: 4 },
     TileShape { name: "gemm_bf16_medium", rows: 128, tokens: 32, k: 64, stages: 3 },
     TileShape { name: "gemm_bf16_wide", rows: 64, tokens: 64, k: 32, stages: 4 },
+    TileShape { name: "gemm_bf16_tall", rows: 128, tokens: 128, k: 32, stages: 3 },
 ];
 /// Split-K chunks are multiples of every shape's k per stage.
 const CHUNK_ALIGN: usize = 64;
 /// Dynamic shared memory of each kernel of [`SHAPES`], in order.
-pub(crate) const SHARED_BYTES: [usize; 3] =
-    [SHAPES[0].shared_bytes(), SHAPES[1].shared_bytes(), SHAPES[2].shared_bytes()];
+pub(crate) const SHARED_BYTES: [usize; 4] =
+    [SHAPES[0].shared_bytes(), SHAPES[1].shared_bytes(), SHAPES[2].shared_bytes(), SHAPES[3].shared_bytes()];
 
 /// The split-K aims at this many narrow CTAs (two per SM of a 132-SM GPU), so that a decode step streams
 /// the weight with the whole GPU ...
@@ -201,9 +202,9 @@ impl GemmPlan {
             ));
         }
         let (ksplit, chunk) = split_k(w);
-        let t_tiles = tokens.div_ceil(SHAPES[0].tokens);
-        if t_tiles > 65_535 || w.batch * ksplit > 65_535 {
-            return Err(Error::param("tokens", tokens, "too many tokens or matrices for one launch's grid"));
+        let n_tiles = w.out.div_ceil(SHAPES.iter().map(|s| s.rows).min().unwrap_or(1));
+        if n_tiles > 65_535 || w.batch * ksplit > 65_535 {
+            return Err(Error::param("w", w.out, "too many output rows or matrices for one launch's grid"));
         }
         to_i32("tokens", tokens)?;
         self.reserve(gpu, w, x_span, tokens)?;
@@ -240,10 +241,11 @@ impl GemmPlan {
         check_aligned("x (bf16 halves)", hi_ptr, 16)?;
         let i = SHAPES.iter().position(|s| tokens <= s.tokens).unwrap_or(SHAPES.len() - 1);
         let (shape, kernel) = (&SHAPES[i], &gpu.kernels.gemm_bf16[i]);
+        // Token tiles innermost: the CTAs that read one weight tile run side by side.
         let cfg = LaunchConfig {
             grid_dim: (
-                w.out.div_ceil(shape.rows) as u32,
                 tokens.div_ceil(shape.tokens) as u32,
+                w.out.div_ceil(shape.rows) as u32,
                 (w.batch * ksplit) as u32,
             ),
             block_dim: (THREADS, 1, 1),
