@@ -201,30 +201,23 @@ fn mis_shaped_inputs_are_errors_naming_them() {
 
 #[cfg(feature = "cuda")]
 mod gpu {
-    use kdtree_engine::cuda::backend::CudaBackend;
-
     use super::*;
-
-    fn backend() -> Option<CudaBackend> {
-        common::gpu()?;
-        Some(CudaBackend::new(kdtree_engine::cuda::Gpu::new(0).unwrap()).unwrap())
-    }
 
     #[test]
     fn gpu_matches_every_fixture() {
-        let Some(b) = backend() else { return };
+        let Some(b) = common::cuda_backend() else { return };
         matches_every_fixture(&b);
     }
 
     #[test]
     fn gpu_row_alone_equals_row_in_batch() {
-        let Some(b) = backend() else { return };
+        let Some(b) = common::cuda_backend() else { return };
         row_alone_equals_row_in_batch(&b);
     }
 
     #[test]
     fn gpu_bad_indices_are_errors() {
-        let Some(b) = backend() else { return };
+        let Some(b) = common::cuda_backend() else { return };
         bad_indices_are_errors(&b);
     }
 }

@@ -149,20 +149,15 @@ mod gpu {
         }
     }
 
-    fn backend() -> Option<kdtree_engine::cuda::backend::CudaBackend> {
-        gpu()?;
-        Some(kdtree_engine::cuda::backend::CudaBackend::new(kdtree_engine::cuda::Gpu::new(0).unwrap()).unwrap())
-    }
-
     #[test]
     fn cuda_backend_matches_every_fixture() {
-        let Some(b) = backend() else { return };
+        let Some(b) = common::cuda_backend() else { return };
         backend_matches_every_fixture(&b);
     }
 
     #[test]
     fn cuda_backend_reports_bad_logits() {
-        let Some(b) = backend() else { return };
+        let Some(b) = common::cuda_backend() else { return };
         backend_reports_bad_logits(&b);
     }
 

@@ -602,6 +602,7 @@ impl Backend for CudaBackend {
             .map_err(|e| cuda_err("copy status", e))?;
         }
         stream.memset_zeros(&mut plans.status).map_err(|e| cuda_err("memset status", e))?;
+        // Every check, not only after a `topk` call: a replayed graph runs the kernel without one.
         if let Some(t) = &mut plans.topk {
             stream.memcpy_dtoh(&t.status, &mut t.status_host).map_err(|e| cuda_err("copy status", e))?;
             stream.memset_zeros(&mut t.status).map_err(|e| cuda_err("memset status", e))?;

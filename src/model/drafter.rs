@@ -271,10 +271,7 @@ impl<B: Backend> Drafter<B> {
             .ids
             .chunks(n * k)
             .zip(top.logp.chunks(n * k))
-            .map(|(ids, logp)| BlockDraft {
-                ids: ids[k..].iter().map(|&t| t as i32).collect(),
-                logp: logp[k..].to_vec(),
-            })
+            .map(|(ids, logp)| BlockDraft { ids: ids[k..].to_vec(), logp: logp[k..].to_vec() })
             .collect())
     }
 

@@ -343,8 +343,8 @@ impl Wanted<'_> {
 pub struct StepTopK {
     /// Tokens per row.
     pub k: usize,
-    /// `[rows, k]` token ids, logit descending then id ascending.
-    pub ids: Vec<u32>,
+    /// `[rows, k]` token ids, logit descending then id ascending (i32, as [`crate::types::TopK`]).
+    pub ids: Vec<i32>,
     /// `[rows, k]` log-probabilities (`logit - logsumexp` of the row).
     pub logp: Vec<f32>,
 }
@@ -643,8 +643,7 @@ impl<B: Backend> Model<B> {
         }
         let wanted = Wanted { argmax: false, topk: Some(k), hidden: &[] };
         self.run_step(cache, requests, which, wanted, &mut Laps::off(&*self.backend), |b, s, rows| {
-            let ids = b.read(&s.top_ids, rows * k)?.into_iter().map(|t| t as u32).collect();
-            Ok(StepTopK { k, ids, logp: b.read(&s.top_logp, rows * k)? })
+            Ok(StepTopK { k, ids: b.read(&s.top_ids, rows * k)?, logp: b.read(&s.top_logp, rows * k)? })
         })
     }
 

@@ -85,6 +85,12 @@ pub fn capture_gpu() -> Option<kdtree_engine::cuda::Gpu> {
     Some(kdtree_engine::cuda::Gpu::new(0).expect("a CUDA device is present, so it must open"))
 }
 
+/// A CUDA backend on a `Gpu` of its own; `None` without a device (see [`gpu`]).
+#[cfg(feature = "cuda")]
+pub fn cuda_backend() -> Option<kdtree_engine::cuda::backend::CudaBackend> {
+    Some(kdtree_engine::cuda::backend::CudaBackend::new(capture_gpu()?).expect("a backend on an open device"))
+}
+
 /// Captures the work `record` queues on `gpu`'s stream into a graph and replays it `replays` times.
 #[cfg(feature = "cuda")]
 pub fn replay_graph(gpu: &kdtree_engine::cuda::Gpu, replays: usize, record: impl FnOnce()) {
