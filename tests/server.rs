@@ -387,12 +387,13 @@ fn logprobs_are_the_targets_and_match_the_tokens() {
 
 #[test]
 fn metrics_count_requests_tokens_and_drafts_and_disconnects_free_pages() {
-    // Room for a stream far longer than the client stays, so that it cannot end before the disconnect
-    // however slowly the client thread is scheduled.
+    // A stream far longer than the client stays (no end at an EOS token either), so that it cannot end
+    // before the disconnect however slowly the threads are scheduled.
     let server = start(Setup { max_seq_len: 4096, ..Setup::default() });
     post(&server, "/v1/completions", &completion(&prompts(1)[0], 16));
     let mut body = completion(&prompts(1)[0], 3500);
     body["stream"] = json!(true);
+    body["ignore_eos"] = json!(true);
     {
         let mut response =
             agent().post(format!("{}/v1/completions", server.base)).send(body.to_string()).expect("request");
