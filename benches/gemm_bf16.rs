@@ -63,13 +63,14 @@ fn bench_cpu(c: &mut Criterion) {
 #[cfg(feature = "cuda")]
 mod gpu {
     use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
-    use kdtree_engine::cuda::gemm_bf16::{DeviceWeight, GemmPlan, Strides};
+    use kdtree_engine::cuda::gemm_bf16::{tile_names, DeviceWeight, GemmPlan, Strides};
     use kdtree_engine::cuda::Gpu;
 
     use super::*;
     use crate::common::gpu::{bench_copy, open, time};
 
     const TOKENS: [usize; 8] = [1, 8, 16, 33, 65, 130, 520, 2080];
+    const TILE_TOKENS: [usize; 7] = [17, 33, 65, 130, 192, 260, 520];
 
     pub fn bench(c: &mut Criterion) {
         let Some(gpu) = open() else { return };
@@ -86,6 +87,23 @@ mod gpu {
             }
         }
         group.finish();
+        bench_tiles(c, &gpu);
+    }
+
+    /// `gemm_bf16_tiles/<tile>/n<N>_k<K>_t<T>`: each tile shape forced ([`GemmPlan::force_tile`]) at the
+    /// row counts of one to eight trees of 17 to 65 rows, the data `tile_for`'s choice is read against.
+    fn bench_tiles(c: &mut Criterion, gpu: &Gpu) {
+        let mut group = c.benchmark_group("gemm_bf16_tiles");
+        for (n, k) in SHAPES {
+            let w = DeviceWeight::from_device(gpu.zeros::<bf16>(n * k).unwrap(), 1, n, k).unwrap();
+            for t in TILE_TOKENS {
+                for (tile, name) in tile_names().iter().enumerate() {
+                    let label = name.trim_start_matches("gemm_bf16_");
+                    bench_plan(&mut group, gpu, &w, t, Some(tile), label);
+                }
+            }
+        }
+        group.finish();
     }
 
     fn bench_kernel(
@@ -94,14 +112,27 @@ mod gpu {
         w: &DeviceWeight,
         t: usize,
     ) {
+        bench_plan(group, gpu, w, t, None, "gpu");
+    }
+
+    /// The whole call at `t` tokens with the plan's own tile choice (`tile` None) or a forced one.
+    fn bench_plan(
+        group: &mut criterion::BenchmarkGroup<criterion::measurement::WallTime>,
+        gpu: &Gpu,
+        w: &DeviceWeight,
+        t: usize,
+        tile: Option<usize>,
+        row: &str,
+    ) {
         let (n, k) = (w.out_features(), w.in_features());
         let mut plan = GemmPlan::new(gpu, t, &[w]).unwrap();
+        plan.force_tile(tile).unwrap();
         let x = gpu.upload(&host_x(t * k)).unwrap();
         let mut y = gpu.zeros::<f32>(t * n).unwrap();
         let (xs, ys) = (Strides::dense(k), Strides::dense(n));
         // One run outside the capture, so that every buffer the plan needs exists before it.
         plan.run(gpu, w, &x.as_view(), xs, t, &mut y.as_view_mut(), ys).unwrap();
-        group.bench_function(BenchmarkId::new("gpu", id(n, k, t)), |b| {
+        group.bench_function(BenchmarkId::new(row, id(n, k, t)), |b| {
             b.iter_custom(|iters| {
                 time(gpu, iters, || plan.run(gpu, w, &x.as_view(), xs, t, &mut y.as_view_mut(), ys).unwrap())
             })

@@ -8,8 +8,9 @@
 //!   columns of the cache rows, bf16 O); the three timed together on the stream (no graph). Before any row
 //!   runs, its output is checked against `mla_decode` on random data (H 8, bs 2, seq 296 and 301), and the
 //!   bench panics when they disagree;
-//! - `mla/gpu_tree/n65_h8_bs<bs>_s4096` and, beside it, `mla/gpu_decode65/n65_h8_bs<bs>_s4096`: 65
-//!   separate decodes over the same prefix, what verifying the tree row by row would cost;
+//! - `mla/gpu_tree/n<N>_h<H>_bs<bs>_s<prefix>`: `tree_verify` over a heap tree of N 17, 33, 65 rows, H 8
+//!   and 16, bs 1, 8, 32, prefix 1024, 4096, 16384; benches/report.py sets it beside N times the
+//!   `gpu_decode` row of the same H, bs and prefix, what verifying the tree row by row would cost;
 //! - `mla/cpu_decode/...`, `mla/cpu_tree/...`: the CPU reference at a few small shapes;
 //! - `mla_ceiling/cublas_bf16/m8192`: an 8192³ cuBLAS bf16 GEMM (f32 accumulate), the mma ceiling, next
 //!   to `copy/d2d/mla`, the bandwidth ceiling; benches/report.py turns both into roofline fractions.
@@ -75,9 +76,9 @@ mod gpu_rows {
     use kdtree_engine::cuda::mla::{DeviceCache, DeviceMlaOutput, MlaPlan};
     use kdtree_engine::cuda::Gpu;
 
-    /// Tree rows of the tree-verify rows (budget 64).
-    const TREE_ROWS: usize = 65;
-    const TREE_PREFIX: usize = 4096;
+    /// Tree rows of the tree-verify rows (budgets 16, 32, 64) and their prefixes.
+    const TREE_ROWS: [usize; 3] = [17, 33, 65];
+    const TREE_PREFIXES: [usize; 3] = [1024, 4096, 16384];
     /// Cache bytes above which a decode shape is skipped.
     const MAX_CACHE_BYTES: usize = 20 << 30;
 
@@ -494,28 +495,24 @@ extern "C" __global__ void softmax_rows_bf16(const unsigned short* __restrict__ 
         group.finish();
     }
 
+    /// `mla/gpu_tree/n<N>_h<H>_bs<bs>_s<prefix>`: one tree_verify launch over a heap tree of N rows.
+    /// N separate decodes cost N times the `gpu_decode` row of the same heads, batch and prefix.
     pub fn bench_tree(c: &mut Criterion, gpu: &Gpu) {
-        let (heads, n) = (8usize, TREE_ROWS);
         let mut group = c.benchmark_group("mla");
         group.sampling_mode(criterion::SamplingMode::Flat);
-        for bs in [1usize, 8, 32] {
-            let id = format!("n{n}_h{heads}_bs{bs}_s{TREE_PREFIX}");
-            let vis = gpu.upload(&heap_visibility(bs, n)).unwrap();
-            let mut shape = Shape::new(gpu, heads, bs, TREE_PREFIX, n, 0);
-            group.bench_function(BenchmarkId::new("gpu_tree", &id), |b| {
-                b.iter_custom(|iters| time(gpu, iters, || shape.tree(gpu, &vis, n)))
-            });
-            // Row by row: 65 decodes of the prefix plus one row.
-            let mut rows = Shape::new(gpu, heads, bs, TREE_PREFIX, 1, 1);
-            group.bench_function(BenchmarkId::new("gpu_decode65", &id), |b| {
-                b.iter_custom(|iters| {
-                    time(gpu, iters, || {
-                        for _ in 0..n {
-                            rows.decode(gpu)
-                        }
-                    })
-                })
-            });
+        for n in TREE_ROWS {
+            for heads in [8usize, 16] {
+                for bs in [1usize, 8, 32] {
+                    let vis = gpu.upload(&heap_visibility(bs, n)).unwrap();
+                    for prefix in TREE_PREFIXES {
+                        let mut shape = Shape::new(gpu, heads, bs, prefix, n, 0);
+                        group.bench_function(
+                            BenchmarkId::new("gpu_tree", format!("n{n}_h{heads}_bs{bs}_s{prefix}")),
+                            |b| b.iter_custom(|iters| time(gpu, iters, || shape.tree(gpu, &vis, n))),
+                        );
+                    }
+                }
+            }
         }
         group.finish();
     }

@@ -164,17 +164,22 @@ def gemm_table(res, mma):
 MLA_ROW_BYTES = 1152  # one cache row: 576 bf16
 
 
+def heap_visible(n):
+    """Mean tree rows a row of a heap tree of n rows sees (itself and its ancestors)."""
+    return sum((i + 1).bit_length() for i in range(n)) / n
+
+
 def mla_cost(q, n=1, tree=False):
     """(bytes, flops) of one MLA launch: every cache row read once per request, q read, o and lse written;
     2 * (576 + 512) FLOPs per (query row, head, visible row)."""
     bs, h, s = q["bs"], q["h"], q["s"]
     rows = bs * n * h
-    visible = s + (4 if tree else 0)  # heap tree of 65 rows: about 4 tree rows visible per row
+    visible = s + (heap_visible(n) if tree else 0)
     bytes_ = bs * (s + (n if tree else 0)) * MLA_ROW_BYTES + rows * (576 * 2 + 512 * 4 + 4)
     return bytes_, 2 * rows * visible * (576 + 512)
 
 
-def mla_tables(res):
+def mla_tables(res, mma_rate=None):
     """mla_decode and tree_verify against the roofline max(bytes / copy, flops / mma) of the same run."""
     ceiling = copy_ceiling(res, "mla")
     gemm = res.get(("mla_ceiling", "cublas_bf16", "m8192"))
@@ -202,19 +207,29 @@ def mla_tables(res):
         lines.append(f"| {q['h']} | {q['bs']} | {q['s']} | {fmt_time(t)} | {bytes_ / t:.0f} | {flops / t / 1e3:.1f} | "
                      f"{100 * bound / t:.0f}% | {fmt_time(unfused) if unfused else '–'} | "
                      f"{fmt_speedup(unfused, t)} | {fmt_time(cpu) if cpu else '–'} |")
-    trees = sorted({p for (g, f, p) in res if g == "mla" and f == "gpu_tree"}, key=lambda p: params(p)["bs"])
+    lines += tree_verify_table(res, ceiling, mma_rate or mma, "mma.sync" if mma_rate else "cuBLAS 8192³")
+    return lines
+
+
+def tree_verify_table(res, ceiling, mma, mma_name):
+    """tree_verify against its roofline and against N decodes of the same heads, batch and prefix."""
+    trees = sorted({p for (g, f, p) in res if g == "mla" and f == "gpu_tree"},
+                   key=lambda p: tuple(params(p)[k] for k in ("n", "h", "bs", "s")))
     if not trees:
-        return lines
-    lines += ["", "### tree_verify (N 65, heap tree) vs 65 separate decodes", "",
-              "| H | bs | prefix | tree_verify | GB/s | % roofline | 65 decodes | speedup |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        return []
+    lines = ["", f"### tree_verify (heap tree of N rows) vs N separate decodes; roofline with the {mma_name} rate", "",
+             "| N | H | bs | prefix | tree_verify | GB/s | TFLOP/s | % roofline | N decodes | speedup |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in trees:
         q = params(p)
-        t, rows = res[("mla", "gpu_tree", p)], res.get(("mla", "gpu_decode65", p))
+        t = res[("mla", "gpu_tree", p)]
+        decode = res.get(("mla", "gpu_decode", f"h{q['h']}_bs{q['bs']}_s{q['s']}"))
+        rows = decode * q["n"] if decode else None
         bytes_, flops = mla_cost(q, q["n"], tree=True)
         bound = max(bytes_ / ceiling if ceiling else 0, flops / (mma * 1e3) if mma else 0)
-        lines.append(f"| {q['h']} | {q['bs']} | {q['s']} | {fmt_time(t)} | {bytes_ / t:.0f} | {100 * bound / t:.0f}% | "
-                     f"{fmt_time(rows) if rows else '–'} | {fmt_speedup(rows, t)} |")
+        lines.append(f"| {q['n']} | {q['h']} | {q['bs']} | {q['s']} | {fmt_time(t)} | {bytes_ / t:.0f} | "
+                     f"{flops / t / 1e3:.1f} | {100 * bound / t:.0f}% | {fmt_time(rows) if rows else '–'} | "
+                     f"{fmt_speedup(rows, t)} |")
     return lines
 
 
@@ -275,7 +290,7 @@ def render(res, root, mma=None):
     if any(g == "gemm_bf16" for (g, _, _) in res):
         lines += gemm_table(res, mma) + [""]
     if any(g == "mla" for (g, _, _) in res):
-        lines += mla_tables(res) + [""]
+        lines += mla_tables(res, mma) + [""]
     for group in ("moe_int4", "moe_int4_tiled"):
         if any(g == group for (g, _, _) in res):
             lines += moe_table(res, root, group) + [""]

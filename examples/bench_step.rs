@@ -52,7 +52,7 @@ struct Args {
     #[arg(long, default_value = "1,8,32", value_delimiter = ',')]
     batches: Vec<usize>,
     /// Tree rows per sequence (root included), comma-separated.
-    #[arg(long, default_value = "16,33,65", value_delimiter = ',')]
+    #[arg(long, default_value = "17,33,65", value_delimiter = ',')]
     trees: Vec<usize>,
     /// Tree batches, comma-separated.
     #[arg(long, default_value = "1,8", value_delimiter = ',')]
@@ -210,6 +210,37 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// A row's step and its 8-GPU, 61-layer projection, whole and the routed experts' part of it.
+struct Projection {
+    step: Duration,
+    gpus_8: Duration,
+    routed_8: Duration,
+}
+
+/// Each tree row against the decode row of its batch: the measured step, the 8-GPU projection (the
+/// accepted length a DDTree step must reach to tie decoding, the drafter not counted) and its part
+/// outside the routed experts, with the routed experts' time beside it.
+fn verify_ratios(rows: &[Row], projections: &[Projection]) {
+    println!("| verify vs decode | graph step | 8-GPU projection = break-even accepted length | without routed experts | routed experts, verify / decode ms |");
+    println!("|---|---|---|---|---|");
+    for (r, p) in rows.iter().zip(projections).filter(|(r, _)| r.kind == "tree") {
+        let Some((_, d)) = rows.iter().zip(projections).find(|(d, _)| d.kind == "decode" && d.batch == r.batch) else {
+            continue;
+        };
+        let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
+        println!(
+            "| N {} bs {} | {:.2}x | {:.2}x | {:.2}x | {:.2} / {:.2} |",
+            r.rows,
+            r.batch,
+            ratio(p.step, d.step),
+            ratio(p.gpus_8, d.gpus_8),
+            ratio(p.gpus_8 - p.routed_8, d.gpus_8 - d.routed_8),
+            ms(p.routed_8),
+            ms(d.routed_8)
+        );
+    }
+}
+
 /// Per-stage sums of a profiled step, and the per-layer-kind times of the 61-layer projection.
 fn report(args: &Args, backend: &str, c: &Config, rows: &[Row]) -> Result<()> {
     const ORDER: [Stage; 7] = [
@@ -237,14 +268,21 @@ fn report(args: &Args, backend: &str, c: &Config, rows: &[Row]) -> Result<()> {
         ORDER.map(|s| format!("{s:?}")).join(" | ")
     );
     println!("|---|---|---|{}---|---|---|---|", "---|".repeat(ORDER.len()));
+    let mut projections = Vec::with_capacity(rows.len());
     for r in rows {
         let mut by_stage: BTreeMap<Stage, Duration> = BTreeMap::new();
         let (mut dense, mut moe, mut outside) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         // The share of each part that eight GPUs split (experts, MLPs, lm_head), counted once more here.
         let (mut dense_split, mut moe_split, mut outside_split) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         let moe_layers = (0..c.num_hidden_layers).filter(|&l| c.is_moe_layer(l)).count();
+        // The routed experts' own time in the MoE layers: the part no kernel removes (issue 36 reports the
+        // rest of the step against it).
+        let mut routed = Duration::ZERO;
         for t in &r.stages {
             *by_stage.entry(t.stage).or_default() += t.time;
+            if t.stage == Stage::Moe && t.layer.is_some_and(|l| c.is_moe_layer(l)) {
+                routed += t.time;
+            }
             let split = matches!(t.stage, Stage::Moe | Stage::SharedExpert | Stage::DenseMlp | Stage::LmHead);
             let split_time = if split { t.time } else { Duration::ZERO };
             match t.layer {
@@ -271,6 +309,8 @@ fn report(args: &Args, backend: &str, c: &Config, rows: &[Row]) -> Result<()> {
         let projected_8 = per_layer(dense, dense_split, dense_layers)
             + per_layer(moe, moe_split, moe_layers) * 60
             + (outside - outside_split + outside_split / 8);
+        let routed_8 = if moe_layers > 0 { routed / moe_layers as u32 * 60 / 8 } else { Duration::ZERO };
+        projections.push(Projection { step: r.step, gpus_8: projected_8, routed_8 });
         let cells: Vec<String> =
             ORDER.iter().map(|s| format!("{:.3}", ms(by_stage.get(s).copied().unwrap_or_default()))).collect();
         let name = if r.kind == "tree" {
@@ -305,16 +345,7 @@ fn report(args: &Args, backend: &str, c: &Config, rows: &[Row]) -> Result<()> {
             ms(projected_8)
         ));
     }
-    for r in rows.iter().filter(|r| r.kind == "tree") {
-        if let Some(d) = rows.iter().find(|d| d.kind == "decode" && d.batch == r.batch) {
-            println!(
-                "verify / decode, N {} bs {}: {:.2}x",
-                r.rows,
-                r.batch,
-                r.step.as_secs_f64() / d.step.as_secs_f64()
-            );
-        }
-    }
+    verify_ratios(rows, &projections);
     if let Some(out) = &args.out {
         std::fs::write(out, csv.join("\n") + "\n")
             .map_err(|e| Error::Data { path: out.clone(), detail: e.to_string() })?;

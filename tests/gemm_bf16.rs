@@ -72,7 +72,7 @@ fn cpu_rejects_bad_shapes() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use kdtree_engine::cuda::gemm_bf16::{split_k, DeviceWeight, GemmPlan, Strides};
+    use kdtree_engine::cuda::gemm_bf16::{split_k, tile_for, tile_names, DeviceWeight, GemmPlan, Strides};
 
     fn random_case(n: usize, k: usize, t: usize, seed: u64) -> (Vec<bf16>, Vec<f32>) {
         let mut rng = common::xorshift(seed);
@@ -82,7 +82,7 @@ mod gpu {
         (w, x)
     }
 
-    /// (N, K, T): tails of every tile (of the four tile shapes, Tall with one to three token tiles), one
+    /// (N, K, T): tails of every tile (of the three tile shapes, Tall with one to three token tiles), one
     /// and several K chunks, Kimi-K2's router and kv_a shapes.
     const SHAPES: [(usize, usize, usize); 12] = [
         (1, 8, 1),
@@ -142,8 +142,8 @@ mod gpu {
             let weight = DeviceWeight::upload(gpu, &w, 1, n, k).unwrap();
             let batch = gpu.gemm_bf16_on(&weight, &x).unwrap();
             assert!(gpu.gemm_bf16_on(&weight, &x).unwrap() == batch, "N {n} K {k}: reruns differ");
-            // Alone (narrow tiles), inside the first 24 tokens (medium tiles), the first 60 (wide tiles)
-            // and all 150 (two tall token tiles).
+            // Alone (narrow tiles), inside the first 24 and 60 tokens and all 150 (medium tiles, one,
+            // two and five token tiles; tall tiles are compared in every_tile_gives_the_same_bits).
             for first in [24, 60] {
                 let got = gpu.gemm_bf16_on(&weight, &x[..first * k]).unwrap();
                 common::assert_bits(&format!("N {n} K {k} {first} tokens"), "y", &got, &batch[..first * n]);
@@ -153,6 +153,57 @@ mod gpu {
                 common::assert_bits(&format!("N {n} K {k} token {t}"), "y", &alone, &batch[t * n..(t + 1) * n]);
             }
         }
+    }
+
+    /// Each tile shape, forced on every launch, gives the bits of [`tile_for`]'s choice: the choice by
+    /// token count and grid size cannot change a token's output.
+    #[test]
+    fn every_tile_gives_the_same_bits() {
+        let Some(gpu) = common::gpu() else { return };
+        for (n, k, t) in [(576, 7168, 65), (130, 520, 150), (200, 256, 100), (7168, 2048, 17), (40, 64, 3)] {
+            let (w, x) = random_case(n, k, t, (5 * n + k + t) as u64);
+            let weight = DeviceWeight::upload(gpu, &w, 1, n, k).unwrap();
+            let run = |tile: Option<usize>| {
+                let mut plan = GemmPlan::new(gpu, t, &[&weight]).unwrap();
+                plan.force_tile(tile).unwrap();
+                let x_dev = gpu.upload(&x).unwrap();
+                let mut y = gpu.zeros::<f32>(t * n).unwrap();
+                plan.run(gpu, &weight, &x_dev.as_view(), Strides::dense(k), t, &mut y.as_view_mut(), Strides::dense(n))
+                    .unwrap();
+                gpu.download(&y).unwrap()
+            };
+            let chosen = run(None);
+            let pick = tile_names()[tile_for(t)];
+            for (i, name) in tile_names().iter().enumerate() {
+                common::assert_bits(
+                    &format!("N {n} K {k} T {t}, {name} (chosen: {pick})"),
+                    "y",
+                    &run(Some(i)),
+                    &chosen,
+                );
+            }
+        }
+        let mut plan = GemmPlan::new(gpu, 1, &[]).unwrap();
+        let err = plan.force_tile(Some(tile_names().len())).err().unwrap();
+        assert!(matches!(err, Error::Param { name: "tile", .. }), "{err}");
+    }
+
+    /// Narrow tiles up to 16 tokens, Medium up to 160, Tall beyond.
+    #[test]
+    fn tiles_follow_the_token_count() {
+        let names = tile_names();
+        let pick = |t| names[tile_for(t)];
+        assert_eq!(
+            [pick(1), pick(16), pick(17), pick(192), pick(193), pick(2080)],
+            [
+                "gemm_bf16_narrow",
+                "gemm_bf16_narrow",
+                "gemm_bf16_medium",
+                "gemm_bf16_medium",
+                "gemm_bf16_tall",
+                "gemm_bf16_tall"
+            ]
+        );
     }
 
     /// MLA's per-head products: 4 matrices `[24, 32]`, x the first 32 features of each head's 48 in

@@ -31,19 +31,17 @@ impl TileShape {
     }
 }
 
-/// The shapes from fewest to most tokens; a launch takes the first whose token tile holds all its tokens,
-/// else the last.
-pub(crate) const SHAPES: [TileShape; 4] = [
+/// The shapes from fewest to most tokens; [`tile_for`] picks one per launch.
+pub(crate) const SHAPES: [TileShape; 3] = [
     TileShape { name: "gemm_bf16_narrow", rows: 128, tokens: 16, k: 64, stages: 4 },
     TileShape { name: "gemm_bf16_medium", rows: 128, tokens: 32, k: 64, stages: 3 },
-    TileShape { name: "gemm_bf16_wide", rows: 64, tokens: 64, k: 32, stages: 4 },
     TileShape { name: "gemm_bf16_tall", rows: 128, tokens: 128, k: 32, stages: 3 },
 ];
 /// Split-K chunks are multiples of every shape's k per stage.
 const CHUNK_ALIGN: usize = 64;
 /// Dynamic shared memory of each kernel of [`SHAPES`], in order.
-pub(crate) const SHARED_BYTES: [usize; 4] =
-    [SHAPES[0].shared_bytes(), SHAPES[1].shared_bytes(), SHAPES[2].shared_bytes(), SHAPES[3].shared_bytes()];
+pub(crate) const SHARED_BYTES: [usize; 3] =
+    [SHAPES[0].shared_bytes(), SHAPES[1].shared_bytes(), SHAPES[2].shared_bytes()];
 
 /// The split-K aims at this many narrow CTAs (two per SM of a 132-SM GPU), so that a decode step streams
 /// the weight with the whole GPU ...
@@ -123,22 +121,58 @@ pub fn split_k(w: &DeviceWeight) -> (usize, usize) {
     (w.inp.div_ceil(chunk), chunk)
 }
 
+/// Tokens up to which a launch takes Medium tiles, several token tiles side by side (the weight tile
+/// comes from HBM once, then from L2), before Tall's 128-token tiles. Measured on the H200 at Kimi-K2's
+/// nine dense shapes (notes/2026-12-02-verify-gemm.md): Medium was the fastest tile at 130 tokens on all
+/// nine and at 33-65 on 16 of 18, Tall at 192 on 7 of 9 (by 1-16%) and at 260 and 520 on all.
+const MEDIUM_MAX_TOKENS: usize = 160;
+
+/// The index in [`SHAPES`] of the tile a launch of `tokens` tokens uses: Narrow up to its 16 tokens,
+/// Medium up to [`MEDIUM_MAX_TOKENS`], Tall beyond. Every tile gives the same bits, so the choice only
+/// moves time.
+pub fn tile_for(tokens: usize) -> usize {
+    if tokens <= SHAPES[0].tokens {
+        0
+    } else if tokens <= MEDIUM_MAX_TOKENS {
+        1
+    } else {
+        2
+    }
+}
+
+/// The names of the tile shapes, in [`tile_for`]'s numbering.
+pub fn tile_names() -> [&'static str; SHAPES.len()] {
+    SHAPES.map(|s| s.name)
+}
+
 /// Scratch of the GEMM: x split into bf16 hi and lo halves, and the split-K partial sums. Grows to the
 /// largest call it has seen, so a warmed-up plan launches without allocating.
 pub struct GemmPlan {
     hi: CudaSlice<bf16>,
     lo: CudaSlice<bf16>,
     part: CudaSlice<f32>,
+    /// A tile every launch uses instead of [`tile_for`]'s (tests and benches comparing tiles).
+    forced_tile: Option<usize>,
 }
 
 impl GemmPlan {
     /// Scratch sized for `tokens` tokens through each of `weights` (dense operands).
     pub fn new(gpu: &Gpu, tokens: usize, weights: &[&DeviceWeight]) -> Result<Self> {
-        let mut plan = GemmPlan { hi: gpu.zeros(1)?, lo: gpu.zeros(1)?, part: gpu.zeros(1)? };
+        let mut plan = GemmPlan { hi: gpu.zeros(1)?, lo: gpu.zeros(1)?, part: gpu.zeros(1)?, forced_tile: None };
         for w in weights {
             plan.reserve(gpu, w, tokens * w.inp * w.batch, tokens)?;
         }
         Ok(plan)
+    }
+
+    /// Makes every later launch use tile `tile` (an index of [`tile_names`]), or [`tile_for`]'s choice
+    /// again with `None`.
+    pub fn force_tile(&mut self, tile: Option<usize>) -> Result<()> {
+        if let Some(i) = tile.filter(|&i| i >= SHAPES.len()) {
+            return Err(Error::param("tile", i, format!("must be below {} (the tile shapes)", SHAPES.len())));
+        }
+        self.forced_tile = tile;
+        Ok(())
     }
 
     /// The scratch's sizes in elements; they change exactly when a run had to reallocate.
@@ -239,7 +273,7 @@ impl GemmPlan {
     ) -> Result<()> {
         let (hi_ptr, _g) = self.hi.device_ptr(&gpu.stream);
         check_aligned("x (bf16 halves)", hi_ptr, 16)?;
-        let i = SHAPES.iter().position(|s| tokens <= s.tokens).unwrap_or(SHAPES.len() - 1);
+        let i = self.forced_tile.unwrap_or_else(|| tile_for(tokens));
         let (shape, kernel) = (&SHAPES[i], &gpu.kernels.gemm_bf16[i]);
         // Token tiles innermost: the CTAs that read one weight tile run side by side.
         let cfg = LaunchConfig {
