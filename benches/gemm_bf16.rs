@@ -9,7 +9,9 @@
 //! - rows `gpu` (the whole call: x split into bf16 hi and lo, the GEMM, the split-K reduce where the plan
 //!   splits), `cublas_bf16` (cuBLAS with bf16 x and y and f32 accumulation, the baseline a user would
 //!   otherwise pick: one rounding of x instead of two halves, and a kernel chosen by T, so not batch
-//!   invariant) and `cpu` (the Rust reference, at the two smallest shapes and T 1 and 8).
+//!   invariant) and `cpu` (the Rust reference, at the two smallest shapes and T 1 and 8);
+//! - `gemm_bf16_tiles/<tile>/n<N>_k<K>_t<T>`: the whole call with each tile shape forced, at T 17-520,
+//!   what the plan's choice of tile by T is read against.
 //!
 //! benches/report.py turns the rows into GB/s (the weight bytes, N · K bf16, over the time) against the
 //! device-to-device copy of the same run, and TFLOP/s (2 · N · K · T) against the mma.sync rate it is
