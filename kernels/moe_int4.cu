@@ -143,10 +143,14 @@ __device__ __forceinline__ int count_beaters(const double* key, Id id, int n, do
     return rank;
 }
 
-// Grid: one CTA per token; E <= MAX_EXPERTS = ROUTE_THREADS, one expert per thread.
+// Grid: one CTA per token; E <= MAX_EXPERTS = ROUTE_THREADS, one expert per thread. The routing is over
+// all E experts; `topk_ids` names the chosen experts relative to `first`, the first of the `held` experts
+// this plan computes (an expert-parallel share), and -1 for a chosen expert outside them, whose weight
+// stays in its slot: the share's output is its pairs' part of the whole sum.
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     moe_route(const float* __restrict__ logits, const float* __restrict__ bias, double scaling, int E, int k,
-              int* __restrict__ topk_ids, float* __restrict__ topk_weights, int* __restrict__ status) {
+              int first, int held, int* __restrict__ topk_ids, float* __restrict__ topk_weights,
+              int* __restrict__ status) {
     __shared__ double key[MAX_EXPERTS];
     // Candidates (see above): warp w's in slots w * k .. w * k + k - 1, by their rank in the warp.
     __shared__ double cand_key[MAX_EXPERTS / 32 * MAX_TOP_K];
@@ -192,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
         const int ce = cand_id[e];
         const int rank = count_beaters(cand_key, [&](int j) { return cand_id[j]; }, candidates, cm, ce);
         if (rank < k) {
-            ids[rank] = ce;
+            ids[rank] = ce >= first && ce < first + held ? ce - first : -1;
             chosen[rank] = cand_score[e];
         }
     }
@@ -213,8 +217,8 @@ typedef cub::BlockScan<int, ALIGN_THREADS> ScanInt;
 // that a GEMM block finds its expert in one load, and a gate/up block of a one-token expert (most of them
 // at a few tokens) its activation row without a second, dependent load of sorted_pairs.
 extern "C" __global__ void __launch_bounds__(ALIGN_THREADS, 1)
-    moe_align(const int* __restrict__ topk_ids, int T, int E, int k, int* __restrict__ expert_offsets,
-              int* __restrict__ sorted_pairs, int4* __restrict__ active_slices,
+    moe_align(const int* __restrict__ topk_ids, int T, int E, int k, int skip_others,
+              int* __restrict__ expert_offsets, int* __restrict__ sorted_pairs, int4* __restrict__ active_slices,
               int* __restrict__ num_active, int* __restrict__ status) {
     __shared__ int count[MAX_EXPERTS];
     __shared__ int next[MAX_EXPERTS];
@@ -229,6 +233,7 @@ extern "C" __global__ void __launch_bounds__(ALIGN_THREADS, 1)
     __syncthreads();
     for (int p = tid; p < pairs; p += ALIGN_THREADS) {
         int e = topk_ids[p];
+        if (e == -1 && skip_others) continue;  // another share's expert (moe_route)
         if (e < 0 || e >= E)
             bad_id = 1;
         else
@@ -1389,10 +1394,11 @@ static_assert(BlockShape<DirectGateUp<NativeLayout>::View, 2, 1, GATE_UP_KSPLIT,
 static_assert(sizeof(ActStage) == 2048, "src/cuda/moe_int4.rs sizes the activation stages");
 
 // out[t, c] = Σ_slot weight[t, slot] · y[t * k + slot, c], in slot order, multiply and add rounded
-// separately as in the CPU reference. Grid: (ceil(H / 256), T).
+// separately as in the CPU reference, over the slots of this plan's experts (topk_ids >= 0: the others
+// are another share's, and their y rows are never written). Grid: (ceil(H / 256), T).
 extern "C" __global__ void __launch_bounds__(256)
-    moe_combine(const float* __restrict__ y, const float* __restrict__ topk_weights, int H, int k,
-                float* __restrict__ out) {
+    moe_combine(const float* __restrict__ y, const float* __restrict__ topk_weights,
+                const int* __restrict__ topk_ids, int H, int k, float* __restrict__ out) {
     // The one exception to rule T (see there): the next forward's gate/up blocks may start as soon as every
     // combine CTA has, and stage their first weights during the down GEMM's tail.
     pdl_launch_dependents();
@@ -1401,7 +1407,8 @@ extern "C" __global__ void __launch_bounds__(256)
     if (col >= H) return;
     float acc = 0.0f;
     for (int slot = 0; slot < k; ++slot)
-        acc = __fadd_rn(acc, __fmul_rn(topk_weights[t * k + slot], y[((size_t)t * k + slot) * H + col]));
+        if (topk_ids[t * k + slot] >= 0)
+            acc = __fadd_rn(acc, __fmul_rn(topk_weights[t * k + slot], y[((size_t)t * k + slot) * H + col]));
     out[(size_t)t * H + col] = acc;
 }
 

@@ -36,9 +36,9 @@ cargo bench --no-default-features --features "$features,int4-tiled" --no-run --b
 mv gpu-pack/tiled/moe_int4 gpu-pack/benches/moe_int4_tiled && rmdir gpu-pack/tiled
 cargo build --release --features "$features" --example build_tree --example generate --example perplexity --example bench_generate \
     --example bench_step
-cp target/release/examples/build_tree target/release/examples/generate target/release/examples/perplexity \
-    target/release/examples/bench_generate \
-    target/release/examples/bench_step gpu-pack/examples/
+examples=${CARGO_TARGET_DIR:-target}/release/examples
+cp "$examples"/build_tree "$examples"/generate "$examples"/perplexity "$examples"/bench_generate \
+    "$examples"/bench_step gpu-pack/examples/
 if [ -n "${KEEP:-}" ]; then
     read -ra patterns <<<"$KEEP"  # split on blanks, with no pathname expansion
     for f in gpu-pack/tests/* gpu-pack/benches/* gpu-pack/examples/*; do

@@ -45,6 +45,7 @@ pub mod cuda;
 pub mod error;
 pub mod fixture;
 pub mod model;
+pub mod parallel;
 pub mod server;
 pub mod spec;
 pub mod types;

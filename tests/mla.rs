@@ -427,7 +427,7 @@ mod gpu {
         #[test]
         fn gpu_matches_cpu_on_random_shapes(
             seed in any::<u64>(),
-            heads in prop::sample::select(vec![8usize, 16, 32]),
+            heads in prop::sample::select(vec![1usize, 2, 4, 8, 16, 32]),
             page_size in prop::sample::select(vec![1usize, 16, 64]),
             prefix_picks in prop::collection::vec(0usize..PREFIXES.len(), 1..4),
             budget in prop::sample::select(vec![0usize, 16, 64]),
@@ -452,6 +452,18 @@ mod gpu {
         // 128 rows: the combine takes 128 dims per CTA and stages at most 64 chunks' partials at a time,
         // so these rows (65 and 66 chunks) fold over two windows.
         gpu_vs_cpu("decode over two combine windows", 8, 64, 64, &[16500, 16700], 0);
+    }
+
+    /// Fewer than 8 heads, as a split over ranks gives (Kimi-K2's 64 heads over 16 ranks, a small model's
+    /// 8 over 2 or 4): decode and tree rows, one request and a batch, short and multi-chunk prefixes.
+    #[test]
+    fn gpu_matches_cpu_below_eight_heads() {
+        for heads in [1usize, 2, 4] {
+            let seed = 20 + heads as u64;
+            gpu_vs_cpu(&format!("decode {heads} heads"), seed, heads, 16, &[1, 300, 2900], 0);
+            gpu_vs_cpu(&format!("tree {heads} heads"), seed + 1, heads, 16, &[0, 257, 1500], 16);
+            gpu_vs_cpu(&format!("tree {heads} heads, 64 rows"), seed + 2, heads, 64, &[700], 64);
+        }
     }
 
     /// A tree batch: bs requests with prefixes `seq`, budget B, on a page-16 cache; q and visibility.

@@ -6,8 +6,8 @@ mod common;
 use common::{assert_bits, assert_same, cases, check_rows, mutants, xorshift};
 use half::bf16;
 use kdtree_engine::cpu::moe_int4::{
-    deinterleave_nibbles, interleave_nibbles, moe_int4, quantize, route, tile, untile, Int4Matrix, Int4Owned,
-    OwnedExperts, Routing, GROUP,
+    deinterleave_nibbles, interleave_nibbles, moe_int4, moe_int4_share, quantize, route, tile, untile, Int4Matrix,
+    Int4Owned, OwnedExperts, Routing, GROUP,
 };
 use kdtree_engine::fixture::Fixture;
 use kdtree_engine::Error;
@@ -171,6 +171,38 @@ fn a_token_gives_the_same_bits_alone_and_in_a_batch_of_128() {
         let alone = moe_int4(&x[tok * H..(tok + 1) * H], &r, &l.view()).unwrap();
         assert_eq!(alone, batch[tok * H..(tok + 1) * H], "token {tok}");
     }
+}
+
+/// An expert-parallel share's output is the whole layer's with the other experts' pairs weighted 0 (a
+/// term 0·y adds +0.0, which leaves every partial sum's bits as they are, since a sum that starts at +0.0
+/// never becomes -0.0): the share computed on its own experts alone gives those bits, for every rank of
+/// 1, 2 and 4.
+#[test]
+fn an_expert_share_is_the_whole_layer_without_the_other_experts_pairs() {
+    let (t, e, k) = (24, 16, 4);
+    let l = layer(31, e);
+    let mut next = xorshift(32);
+    let x = random_bf16(&mut next, t * H, 2.0);
+    let logits: Vec<f32> = (0..t * e).map(|_| ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0).collect();
+    let routing = route(&logits, &vec![0.0f32; e], e, k, 2.827).unwrap();
+    for world in [1, 2, 4] {
+        let each = e / world;
+        for rank in 0..world {
+            let held = rank * each..(rank + 1) * each;
+            let mut others_zeroed = routing.clone();
+            for (id, w) in others_zeroed.topk_ids.iter().zip(others_zeroed.topk_weights.iter_mut()) {
+                if !held.contains(&(*id as usize)) {
+                    *w = 0.0;
+                }
+            }
+            let want = moe_int4(&x, &others_zeroed, &l.view()).unwrap();
+            let part = l.range(held.clone()).unwrap();
+            let got = moe_int4_share(&x, &routing, &part.view(), held.start).unwrap();
+            assert_bits(&format!("rank {rank} of {world}"), "out", &got, &want);
+        }
+    }
+    assert!(matches!(l.range(3..3), Err(Error::Param { name: "experts", .. })));
+    assert!(matches!(l.range(8..17), Err(Error::Param { name: "experts", .. })));
 }
 
 #[test]
@@ -348,6 +380,65 @@ mod gpu {
         }
         for (seed, t) in [(1u64, 1usize), (2, 8), (3, 33)] {
             check_against_cpu(seed, t, 16, 8, 7168, 2048);
+        }
+    }
+
+    /// Expert-parallel shares through the CUDA backend's MoE (the routing over all 16 experts, each share
+    /// computing its own pairs only) against the CPU reference of each share, for one token (the direct
+    /// kernels) and a batch, over 2, 4 and 8 shares (down to fewer experts per share than k).
+    #[test]
+    fn gpu_expert_shares_match_the_cpu_reference() {
+        use kdtree_engine::cuda::backend::CudaBackend;
+        use kdtree_engine::cuda::Gpu;
+        use kdtree_engine::model::backend::{Backend, ExpertShare};
+        if gpu().is_none() {
+            return;
+        }
+        let backend = CudaBackend::new(Gpu::new(0).unwrap()).unwrap();
+        let (e, k, h, i) = (16, 8, 7168, 2048);
+        let w = random_layer(41, e, h, i);
+        for t in [1usize, 9] {
+            let mut next = xorshift(42 + t as u64);
+            let x = random_bf16(&mut next, t * h, 4.0);
+            let logits = random_logits(&mut next, t * e);
+            let bias: Vec<f32> = random_logits(&mut next, e).into_iter().map(|b| b * 0.01).collect();
+            let routing = route(&logits, &bias, e, k, 2.827).unwrap();
+            let (logits_d, bias_d, x_d) =
+                (backend.upload(&logits).unwrap(), backend.upload(&bias).unwrap(), backend.upload(&x).unwrap());
+            let run = |experts: &OwnedExperts, share: ExpertShare| {
+                let placed = backend.experts(&experts.view()).unwrap();
+                let mut out = backend.zeros(t * h).unwrap();
+                backend.moe(&logits_d, &bias_d, k, 2.827, &x_d, &placed, share, t, &mut out).unwrap();
+                backend.read(&out, t * h).unwrap()
+            };
+            for world in [1usize, 2, 4, 8] {
+                let each = e / world;
+                let mut worst: f64 = 0.0;
+                for rank in 0..world {
+                    let held = rank * each..(rank + 1) * each;
+                    let part = w.range(held.clone()).unwrap();
+                    let got = run(&part, ExpertShare { first: held.start, total: e });
+                    let want = moe_int4_share(&x, &routing, &part.view(), held.start).unwrap();
+                    let err = check_rows(&got, &want, h, GPU_VS_CPU_TOKEN_REL)
+                        .unwrap_or_else(|why| panic!("T {t}, share {rank} of {world}: GPU vs CPU {why}"));
+                    worst = worst.max(err);
+                }
+                println!("T {t}, {world} shares of {e} experts (k {k}): GPU vs CPU worst token out_rel {worst:.2e}");
+            }
+            let err = backend
+                .moe(
+                    &logits_d,
+                    &bias_d,
+                    k,
+                    2.827,
+                    &x_d,
+                    &backend.experts(&w.view()).unwrap(),
+                    ExpertShare { first: 12, total: e },
+                    t,
+                    &mut backend.zeros(t * h).unwrap(),
+                )
+                .unwrap_err();
+            assert!(matches!(err, Error::Param { name: "expert share", .. }), "{err}");
         }
     }
 

@@ -9,11 +9,11 @@ use rayon::prelude::*;
 use crate::cpu::gemm_bf16::{dot, gemm_bf16};
 use crate::cpu::kv_compact::kv_compact;
 use crate::cpu::mla::{mla_decode, tree_verify, MlaOutput, PagedCache, LATENT, ROW};
-use crate::cpu::moe_int4::{moe_int4, route, Experts, Int4Matrix, Int4Owned, OwnedExperts};
+use crate::cpu::moe_int4::{moe_int4_share, route, Experts, Int4Matrix, Int4Owned, OwnedExperts};
 use crate::cpu::rowops::{self, QueryShape};
 use crate::cpu::topk;
 use crate::error::{check_len, Error, Result};
-use crate::model::backend::{AttentionInputs, Backend, Compaction, Elem, HeadStrides, KvWrite, TreeRows};
+use crate::model::backend::{AttentionInputs, Backend, Compaction, Elem, ExpertShare, HeadStrides, KvWrite, TreeRows};
 use crate::types::{KvLayout, Logits};
 
 /// The CPU backend (see the module documentation).
@@ -360,12 +360,14 @@ impl Backend for CpuBackend {
         scaling: f64,
         x: &Vec<bf16>,
         experts: &OwnedExperts,
+        share: ExpertShare,
         tokens: usize,
         out: &mut Vec<f32>,
     ) -> Result<()> {
-        let routing =
-            route(prefix("router_logits", router_logits, tokens * experts.count)?, bias, experts.count, k, scaling)?;
-        let got = moe_int4(prefix("x", x, tokens * experts.hidden)?, &routing, &experts.view())?;
+        share.check(experts.count)?;
+        let logits = prefix("router_logits", router_logits, tokens * share.total)?;
+        let routing = route(logits, bias, share.total, k, scaling)?;
+        let got = moe_int4_share(prefix("x", x, tokens * experts.hidden)?, &routing, &experts.view(), share.first)?;
         prefix_mut("out", out, got.len())?.copy_from_slice(&got);
         Ok(())
     }

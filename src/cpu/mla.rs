@@ -21,8 +21,9 @@ pub const ROPE: usize = 64;
 pub const ROW: usize = LATENT + ROPE;
 /// Visible rows per chunk of a row's logical sequence.
 pub const SPLIT: usize = 256;
-/// Head counts the kernels support (Kimi-K2 has 64; 8 per GPU at TP 8).
-pub const SUPPORTED_HEADS: [usize; 5] = [8, 16, 32, 64, 128];
+/// Head counts the kernels support (Kimi-K2 has 64; 8 per GPU at TP 8, 4 at TP 16). Below 8 a tile
+/// holds fewer valid rows than its 16, as it does for a short tree's tail.
+pub const SUPPORTED_HEADS: [usize; 8] = [1, 2, 4, 8, 16, 32, 64, 128];
 
 /// One layer's paged latent cache: `[num_pages, page_size, 576]` bf16, and `[bs, pages_per_req]` block
 /// tables.

@@ -90,6 +90,29 @@ impl OwnedExperts {
             w2: Int4Matrix { packed: &self.w2.packed, scale: &self.w2.scale, rows: e * h, cols: i },
         }
     }
+
+    /// Experts `range` alone (an expert-parallel share), numbered from 0.
+    pub fn range(&self, range: std::ops::Range<usize>) -> Result<OwnedExperts> {
+        if range.is_empty() || range.end > self.count {
+            return Err(Error::param(
+                "experts",
+                format!("{range:?}"),
+                format!("must be a non-empty part of 0..{}", self.count),
+            ));
+        }
+        let part = |m: &Int4Owned, per_expert: usize| Int4Owned {
+            packed: m.packed[range.start * per_expert / PACK..range.end * per_expert / PACK].to_vec(),
+            scale: m.scale[range.start * per_expert / GROUP..range.end * per_expert / GROUP].to_vec(),
+        };
+        let per_expert = 2 * self.inter * self.hidden;
+        Ok(OwnedExperts {
+            count: range.len(),
+            hidden: self.hidden,
+            inter: self.inter,
+            w13: part(&self.w13, per_expert),
+            w2: part(&self.w2, self.hidden * self.inter),
+        })
+    }
 }
 
 /// Quantizes a `[rows, cols]` bf16 matrix to the `pack-quantized` layout: per group of 32, `scale =
@@ -331,6 +354,45 @@ impl Experts<'_> {
 
 /// The routed-experts output `out [T, H]` (f32) of `x [T, H]` bf16 for a routing of the same tokens.
 pub fn moe_int4(x: &[bf16], routing: &Routing, experts: &Experts) -> Result<Vec<f32>> {
+    if let Some(p) = routing.topk_ids.iter().position(|&e| e < 0 || e as usize >= experts.count) {
+        return Err(Error::Index {
+            name: "topk_ids",
+            detail: format!("pair {p} names expert {}, outside 0..{}", routing.topk_ids[p], experts.count),
+        });
+    }
+    moe_int4_share(x, routing, experts, 0)
+}
+
+/// Which of a layer's routed experts a set of experts holds: experts `first ..` of the `total` the
+/// router chooses among (all of them unless the layer is split over expert-parallel ranks: `first` 0,
+/// `total` their count).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertShare {
+    /// The first expert held.
+    pub first: usize,
+    /// The experts the router chooses among.
+    pub total: usize,
+}
+
+impl ExpertShare {
+    /// An error naming the share unless `held` experts from `first` lie within the `total`.
+    pub fn check(&self, held: usize) -> Result<()> {
+        if held == 0 || self.first + held > self.total {
+            return Err(Error::param(
+                "expert share",
+                format!("{}..{}", self.first, self.first + held),
+                format!("must be a non-empty range within the router's {} experts", self.total),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The part of [`moe_int4`]'s output that experts `first .. first + experts.count` of a routing over more
+/// experts give (an expert-parallel share): the pairs routed to other experts are left out of each
+/// token's sum, which otherwise runs in slot order as in [`moe_int4`]. With `first` 0 and every pair in
+/// range it is [`moe_int4`].
+pub fn moe_int4_share(x: &[bf16], routing: &Routing, experts: &Experts, first: usize) -> Result<Vec<f32>> {
     experts.check()?;
     let (h, i, k) = (experts.hidden, experts.inter, routing.k);
     if !x.len().is_multiple_of(h) {
@@ -339,18 +401,16 @@ pub fn moe_int4(x: &[bf16], routing: &Routing, experts: &Experts) -> Result<Vec<
     let tokens = x.len() / h;
     check_len("topk_ids", routing.topk_ids.len(), &[("T", tokens), ("k", k)])?;
     check_len("topk_weights", routing.topk_weights.len(), &[("T", tokens), ("k", k)])?;
-    if let Some(p) = routing.topk_ids.iter().position(|&e| e < 0 || e as usize >= experts.count) {
-        return Err(Error::Index {
-            name: "topk_ids",
-            detail: format!("pair {p} names expert {}, outside 0..{}", routing.topk_ids[p], experts.count),
-        });
-    }
-    // Every pair's expert output, computed expert by expert so each expert is dequantized once.
+    let local = |p: usize| {
+        let e = routing.topk_ids[p] as i64 - first as i64;
+        (0..experts.count as i64).contains(&e).then_some(e as usize)
+    };
+    // Every local pair's expert output, computed expert by expert so each expert is dequantized once.
     let mut y = vec![0f32; tokens * k * h];
     let per_expert: Vec<Vec<(usize, Vec<f32>)>> = (0..experts.count)
         .into_par_iter()
         .map(|e| {
-            let pairs: Vec<usize> = (0..tokens * k).filter(|&p| routing.topk_ids[p] as usize == e).collect();
+            let pairs: Vec<usize> = (0..tokens * k).filter(|&p| local(p) == Some(e)).collect();
             if pairs.is_empty() {
                 return vec![];
             }
@@ -364,8 +424,8 @@ pub fn moe_int4(x: &[bf16], routing: &Routing, experts: &Experts) -> Result<Vec<
     }
     let mut out = vec![0f32; tokens * h];
     for t in 0..tokens {
-        for slot in 0..k {
-            let (p, w) = (t * k + slot, routing.topk_weights[t * k + slot]);
+        for p in (t * k..(t + 1) * k).filter(|&p| local(p).is_some()) {
+            let w = routing.topk_weights[p];
             for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(&y[p * h..(p + 1) * h]) {
                 *o += w * v;
             }

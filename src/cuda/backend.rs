@@ -24,7 +24,7 @@ use crate::cpu::mla::ROW;
 use crate::cpu::moe_int4::Experts;
 use crate::cpu::rowops::QueryShape;
 use crate::error::{Error, Result};
-use crate::model::backend::{AttentionInputs, Backend, Compaction, Elem, HeadStrides, KvWrite, TreeRows};
+use crate::model::backend::{AttentionInputs, Backend, Compaction, Elem, ExpertShare, HeadStrides, KvWrite, TreeRows};
 use crate::types::KvLayout;
 
 /// Group scales of the random weights ([`Backend::random_linear`]).
@@ -141,6 +141,7 @@ impl SizedTopK {
 struct SizedMoe {
     plan: MoePlan,
     k: usize,
+    share: ExpertShare,
     tokens: usize,
 }
 
@@ -524,23 +525,25 @@ impl Backend for CudaBackend {
         scaling: f64,
         x: &CudaSlice<bf16>,
         experts: &DeviceExperts,
+        share: ExpertShare,
         tokens: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
         let mut plans = self.plans();
-        let fits = |m: &SizedMoe| m.k == k && m.tokens >= tokens;
+        let fits = |m: &SizedMoe| m.k == k && m.share == share && m.tokens >= tokens;
         if !plans.moe.as_ref().is_some_and(fits) {
             let t = plans.moe.as_ref().map_or(tokens, |m| m.tokens.max(tokens));
             plans.moe = None;
-            plans.moe = Some(SizedMoe { plan: MoePlan::new(&self.gpu, experts.shape, k, t)?, k, tokens: t });
+            let plan = MoePlan::new_share(&self.gpu, experts.shape, share, k, t)?;
+            plans.moe = Some(SizedMoe { plan, k, share, tokens: t });
             self.bump_epoch();
         }
         let moe = plans.moe.as_mut().expect("made above");
-        let (e, h) = (experts.shape.count, experts.shape.hidden);
+        let h = experts.shape.hidden;
         moe.plan.route(
             &self.gpu,
-            &view(router_logits, tokens * e, "router_logits")?,
-            &view(bias, e, "bias")?,
+            &view(router_logits, tokens * share.total, "router_logits")?,
+            &view(bias, share.total, "bias")?,
             scaling,
             tokens,
         )?;

@@ -15,7 +15,7 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, 
 use half::bf16;
 
 use super::{check_aligned, cuda_err, to_i32, Gpu, KernelArgs};
-use crate::cpu::moe_int4::{tiled_len, Experts, Routing, GROUP, PACK, TILE_ROWS};
+use crate::cpu::moe_int4::{tiled_len, ExpertShare, Experts, Routing, GROUP, PACK, TILE_ROWS};
 use crate::error::{check_len, Error, Result};
 
 /// The most experts the routing kernel handles (one CTA; Kimi-K2 has 384, DeepSeek-V3 256).
@@ -303,6 +303,8 @@ impl DeviceExperts {
 /// Routing, alignment and intermediate buffers for up to `max_tokens` tokens and top-`k` routing.
 pub struct MoePlan {
     shape: ExpertsShape,
+    /// Where the plan's experts sit among the routing's (an expert-parallel share, or all of them).
+    share: ExpertShare,
     k: usize,
     max_tokens: usize,
     /// Tokens of the routing currently held (0 before the first `route` / `set_routing`).
@@ -331,9 +333,20 @@ pub struct MoePlan {
 impl MoePlan {
     /// Allocates every buffer once for `max_tokens` tokens of top-`k` routing over `shape`'s experts.
     pub fn new(gpu: &Gpu, shape: ExpertsShape, k: usize, max_tokens: usize) -> Result<Self> {
+        Self::new_share(gpu, shape, ExpertShare { first: 0, total: shape.count }, k, max_tokens)
+    }
+
+    /// Like [`MoePlan::new`] for experts `share.first ..` of a routing over `share.total` experts (an
+    /// expert-parallel share): its output leaves out the pairs routed to the others, as
+    /// [`crate::cpu::moe_int4::moe_int4_share`].
+    pub fn new_share(gpu: &Gpu, shape: ExpertsShape, share: ExpertShare, k: usize, max_tokens: usize) -> Result<Self> {
         shape.check()?;
-        if k == 0 || k > shape.count.min(MAX_TOP_K) {
-            return Err(Error::param("k", k, format!("top-k must be in 1..={}", shape.count.min(MAX_TOP_K))));
+        share.check(shape.count)?;
+        if share.total > MAX_EXPERTS {
+            return Err(Error::param("experts", share.total, format!("the routing takes at most {MAX_EXPERTS}")));
+        }
+        if k == 0 || k > share.total.min(MAX_TOP_K) {
+            return Err(Error::param("k", k, format!("top-k must be in 1..={}", share.total.min(MAX_TOP_K))));
         }
         if max_tokens == 0 {
             return Err(Error::param("max_tokens", 0, "must be at least 1"));
@@ -349,6 +362,7 @@ impl MoePlan {
         to_i32("max_tokens * k * max(H, I)", elems)?;
         Ok(MoePlan {
             shape,
+            share,
             k,
             max_tokens,
             tokens: 0,
@@ -385,8 +399,8 @@ impl MoePlan {
         tokens: usize,
     ) -> Result<()> {
         self.check_tokens(tokens)?;
-        check_len("router_logits", router_logits.len(), &[("T", tokens), ("E", self.shape.count)])?;
-        check_len("bias", bias.len(), &[("E", self.shape.count)])?;
+        check_len("router_logits", router_logits.len(), &[("T", tokens), ("E", self.share.total)])?;
+        check_len("bias", bias.len(), &[("E", self.share.total)])?;
         if !scaling.is_finite() {
             return Err(Error::param("routed_scaling_factor", scaling, "must be finite"));
         }
@@ -431,18 +445,22 @@ impl MoePlan {
         let stream = gpu.stream();
         stream.memset_zeros(&mut self.status).map_err(|e| cuda_err("memset status", e))?;
         let (t, e, k) = (tokens as i32, self.shape.count as i32, self.k as i32);
+        // Only a routing of this plan's own names -1 for another share's expert.
+        let skip_others = i32::from(logits.is_some());
         if let Some((l, bias)) = logits {
             let cfg =
                 LaunchConfig { grid_dim: (tokens as u32, 1, 1), block_dim: (ROUTE_THREADS, 1, 1), shared_mem_bytes: 0 };
+            let (total, first, held) = (self.share.total as i32, self.share.first as i32, e);
             let mut b = stream.launch_builder(&gpu.kernels.moe_route);
-            b.arg(l).arg(bias).arg(&scaling).arg(&e).arg(&k);
+            b.arg(l).arg(bias).arg(&scaling).arg(&total).arg(&k).arg(&first).arg(&held);
             b.arg(&mut self.topk_ids).arg(&mut self.topk_weights).arg(&mut self.status);
             unsafe { b.launch(cfg) }.map_err(|e| cuda_err("moe_route", e))?;
             gpu.after_launch("moe_route")?;
         }
         let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (ALIGN_THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut a = KernelArgs::new(gpu);
-        a.ptr(&self.topk_ids).val(t).val(e).val(k).ptr_mut(&mut self.expert_offsets).ptr_mut(&mut self.sorted_pairs);
+        a.ptr(&self.topk_ids).val(t).val(e).val(k).val(skip_others);
+        a.ptr_mut(&mut self.expert_offsets).ptr_mut(&mut self.sorted_pairs);
         a.ptr_mut(&mut self.active_slices).ptr_mut(&mut self.num_active);
         a.ptr_mut(&mut self.status);
         // Dependent launch only right behind the routing kernel (after the copies of set_routing there is
@@ -473,7 +491,9 @@ impl MoePlan {
         check_len("x", x.len(), &[("T", tokens), ("H", h_dim)])?;
         check_len("out", out.len(), &[("T", tokens), ("H", h_dim)])?;
         check_aligned("x", x.device_ptr(gpu.stream()).0, 16)?;
-        let blocks = self.shape.count.min(tokens * self.k) as u32;
+        // A block per active expert, or with one token per routing slot (an expert-parallel share may
+        // hold fewer experts than k, its own in any of the slots).
+        let blocks = if self.direct() { self.k } else { self.shape.count.min(tokens * self.k) } as u32;
         if LAYOUT == Int4Layout::Native {
             self.pair_acts(gpu, x)?;
         }
@@ -501,7 +521,7 @@ impl MoePlan {
             shared_mem_bytes: 0,
         };
         let mut a = KernelArgs::new(gpu);
-        a.ptr(&self.y).ptr(&self.topk_weights).val(h).val(k).ptr_mut(out);
+        a.ptr(&self.y).ptr(&self.topk_weights).ptr(&self.topk_ids).val(h).val(k).ptr_mut(out);
         gpu.launch_ex("moe_combine", &gpu.kernels.moe_combine, cfg, &mut a, true)
     }
 

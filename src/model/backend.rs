@@ -9,6 +9,7 @@
 
 use half::bf16;
 
+pub use crate::cpu::moe_int4::ExpertShare;
 use crate::cpu::moe_int4::Experts;
 use crate::cpu::rowops::QueryShape;
 use crate::error::Result;
@@ -253,8 +254,10 @@ pub trait Backend: Send + Sync {
         lse: &mut Self::Buf<f32>,
     ) -> Result<()>;
 
-    /// The routed experts of `tokens` tokens: routing of `router_logits [tokens, E]` with `bias` (top
-    /// `k`, weights times `scaling`), then the INT4 experts over `x [tokens, H]` bf16 into `out`.
+    /// The routed experts of `tokens` tokens: routing of `router_logits [tokens, share.total]` with `bias`
+    /// (top `k`, weights times `scaling`), then the INT4 experts over `x [tokens, H]` bf16 into `out`; of a
+    /// share of the experts, the part of the output its experts give
+    /// ([`crate::cpu::moe_int4::moe_int4_share`]).
     #[allow(clippy::too_many_arguments)]
     fn moe(
         &self,
@@ -264,6 +267,7 @@ pub trait Backend: Send + Sync {
         scaling: f64,
         x: &Self::Buf<bf16>,
         experts: &Self::Experts,
+        share: ExpertShare,
         tokens: usize,
         out: &mut Self::Buf<f32>,
     ) -> Result<()>;

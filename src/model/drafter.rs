@@ -31,6 +31,7 @@ use crate::model::forward::{load_layer, Norm, SharedParts};
 use crate::model::layers::{Linear, RmsNorm};
 use crate::model::weights::Checkpoint;
 use crate::model::{KvCache, Logits, Model, StepRequest, TreeInput};
+use crate::parallel::Shard;
 use crate::MAX_DEPTH;
 
 /// The `dflash_config` of a drafter's `config.json`.
@@ -183,7 +184,7 @@ impl<B: Backend> Drafter<B> {
         let hidden_norm = RmsNorm::load(ckpt, "hidden_norm.weight", h, config.rms_norm_eps)?;
         let norm = RmsNorm::load(ckpt, "norm.weight", h, config.rms_norm_eps)?;
         let layers = (0..config.num_hidden_layers)
-            .map(|i| load_layer(b, ckpt, &config, &format!("layers.{i}"), i))
+            .map(|i| load_layer(b, ckpt, &config, &format!("layers.{i}"), i, Shard::WHOLE))
             .collect::<Result<Vec<_>>>()?;
         let unread = ckpt.unread();
         if !unread.is_empty() {
@@ -195,7 +196,7 @@ impl<B: Backend> Drafter<B> {
         Ok(Drafter {
             fc: b.linear(fc.weight(), 1, h, k * h)?,
             hidden_norm: Norm::place(b, &hidden_norm)?,
-            model: Model::from_parts(config, embed, layers, Norm::place(b, &norm)?, lm_head, backend.clone())?,
+            model: Model::from_parts(config, embed, layers, Norm::place(b, &norm)?, lm_head, backend.clone(), None)?,
             dflash,
             scratch: Mutex::new(None),
         })

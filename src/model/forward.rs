@@ -18,14 +18,15 @@ use half::bf16;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::cpu::backend::CpuBackend;
-use crate::cpu::mla::{LATENT, ROPE, ROW};
+use crate::cpu::mla::{LATENT, ROPE, ROW, SUPPORTED_HEADS};
 use crate::cpu::rowops::{QueryShape, ROPE_TABLE};
 use crate::error::{check_len, Error, Result};
-use crate::model::backend::{AttentionInputs, Backend, Compaction, HeadStrides, KvWrite, TreeRows};
+use crate::model::backend::{AttentionInputs, Backend, Compaction, ExpertShare, HeadStrides, KvWrite, TreeRows};
 use crate::model::config::Config;
 use crate::model::layers::{self, MlaWeights, QueryProj};
 use crate::model::rope::Rope;
 use crate::model::weights::Checkpoint;
+use crate::parallel::{Collective, Shard};
 use crate::types::KvLayout;
 
 /// Checkpoints at least this large show a loading progress bar (on a terminal).
@@ -80,6 +81,8 @@ struct Moe<B: Backend> {
     router: B::Linear,
     bias: B::Buf<f32>,
     experts: B::Experts,
+    /// Which experts `experts` are.
+    share: ExpertShare,
     shared: Option<Mlp<B>>,
     top_k: usize,
     scaling: f64,
@@ -107,8 +110,10 @@ struct Attention<B: Backend> {
 }
 
 impl<B: Backend> Attention<B> {
+    /// Places `w`, of as many heads as its `kv_b` holds (all of them, or a tensor-parallel share).
     fn place(b: &B, w: &MlaWeights, c: &Config) -> Result<Self> {
-        let (heads, nope, v) = (c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim);
+        let (nope, v) = (c.qk_nope_head_dim, c.v_head_dim);
+        let heads = w.kv_b.out_features() / (nope + v);
         let mut w_uk = Vec::with_capacity(heads * LATENT * nope);
         let mut w_uv = Vec::with_capacity(heads * v * LATENT);
         for h in 0..heads {
@@ -188,8 +193,9 @@ struct Scratch<B: Backend> {
 }
 
 impl<B: Backend> Scratch<B> {
-    fn new(b: &B, c: &Config, pages_per_req: usize, tokens: usize, picked: usize) -> Result<Self> {
-        let (h, heads) = (c.hidden_size, c.num_attention_heads);
+    /// Buffers for a model of `c` holding `heads` attention heads.
+    fn new(b: &B, c: &Config, heads: usize, pages_per_req: usize, tokens: usize, picked: usize) -> Result<Self> {
+        let h = c.hidden_size;
         let inter = c.intermediate_size.max(c.moe_intermediate_size * c.n_shared_experts);
         let t = tokens;
         Ok(Scratch {
@@ -243,6 +249,10 @@ pub struct Model<B: Backend = CpuBackend> {
     /// Shared with a drafter, whose logits come from the target's head.
     lm_head: Arc<B::Linear>,
     rope: Rope,
+    /// Attention heads this model holds: all of them, or its rank's share.
+    heads: usize,
+    /// The group whose sum completes each split block; `None` for a whole model.
+    group: Option<Arc<dyn Collective<B>>>,
     scratch: Mutex<Option<Scratch<B>>>,
     graphs: Mutex<Graphs<B>>,
     /// Shared with a drafter: its work queues behind the target's on the same stream.
@@ -307,6 +317,8 @@ pub enum Stage {
     SharedExpert,
     /// A dense layer's MLP GEMMs.
     DenseMlp,
+    /// The sums over the ranks of a split model.
+    Communication,
     /// lm_head (and the argmax).
     LmHead,
 }
@@ -456,8 +468,31 @@ impl<B: Backend> Model<B> {
 
     /// Builds the model from a checked config and an open checkpoint, placing every weight on `backend`.
     pub fn from_checkpoint(config: Config, ckpt: &Checkpoint, backend: B) -> Result<Self> {
+        Self::from_checkpoint_in(config, ckpt, backend, None)
+    }
+
+    /// Like [`Model::from_checkpoint`], but placing only the share of `group`'s rank (see
+    /// [`crate::parallel`]): its attention heads, intermediate features and routed experts. Every rank
+    /// of the group must run every step, at once ([`crate::parallel::ShardedModel`] does).
+    pub fn from_checkpoint_sharded(
+        config: Config,
+        ckpt: &Checkpoint,
+        backend: B,
+        group: Arc<dyn Collective<B>>,
+    ) -> Result<Self> {
+        Self::from_checkpoint_in(config, ckpt, backend, Some(group))
+    }
+
+    fn from_checkpoint_in(
+        config: Config,
+        ckpt: &Checkpoint,
+        backend: B,
+        group: Option<Arc<dyn Collective<B>>>,
+    ) -> Result<Self> {
         let c = &config;
         check_mla_dims(c)?;
+        let shard = group.as_ref().map_or(Shard::WHOLE, |g| g.shard());
+        check_split(c, shard)?;
         let bar = if ckpt.size_bytes() >= PROGRESS_BYTES {
             let bar = ProgressBar::new(c.num_hidden_layers as u64);
             if let Ok(style) = ProgressStyle::with_template("loading layers {bar:40} {pos}/{len} {elapsed}") {
@@ -469,7 +504,7 @@ impl<B: Backend> Model<B> {
         };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
-            layers.push(load_layer(&backend, ckpt, c, &format!("model.layers.{i}"), i)?);
+            layers.push(load_layer(&backend, ckpt, c, &format!("model.layers.{i}"), i, shard)?);
             bar.inc(1);
         }
         bar.finish_and_clear();
@@ -484,7 +519,7 @@ impl<B: Backend> Model<B> {
         check_all_read(ckpt, c)?;
         let embed = Arc::new(backend.upload(&embed)?);
         let norm = Norm::place(&backend, &norm)?;
-        Model::from_parts(config, embed, layers, norm, Arc::new(lm_head), Arc::new(backend))
+        Model::from_parts(config, embed, layers, norm, Arc::new(lm_head), Arc::new(backend), group)
     }
 
     /// A model of `config`'s shape with random weights made on `backend` (no checkpoint): every norm
@@ -533,6 +568,7 @@ impl<B: Backend> Model<B> {
                     router: dense(c.n_routed_experts, h)?.w,
                     bias: b.zeros(c.n_routed_experts)?,
                     experts: b.random_experts(c.n_routed_experts, h, c.moe_intermediate_size, seed())?,
+                    share: ExpertShare { first: 0, total: c.n_routed_experts },
                     shared,
                     top_k: c.num_experts_per_tok,
                     scaling: c.routed_scaling_factor,
@@ -546,10 +582,10 @@ impl<B: Backend> Model<B> {
         let embed = Arc::new(b.random_table(c.vocab_size, h, seed())?);
         let lm_head = Arc::new(b.random_linear(1, c.vocab_size, h, seed())?);
         let norm = ones(h, c.rms_norm_eps)?;
-        Model::from_parts(config, embed, layers, norm, lm_head, Arc::new(backend))
+        Model::from_parts(config, embed, layers, norm, lm_head, Arc::new(backend), None)
     }
 
-    /// The model of `config` from weights already on `backend`.
+    /// The model of `config` from weights already on `backend`: the share of `group`'s rank, or whole.
     pub(super) fn from_parts(
         config: Config,
         embed: Arc<B::Buf<bf16>>,
@@ -557,8 +593,12 @@ impl<B: Backend> Model<B> {
         norm: Norm<B>,
         lm_head: Arc<B::Linear>,
         backend: Arc<B>,
+        group: Option<Arc<dyn Collective<B>>>,
     ) -> Result<Self> {
+        let world = group.as_ref().map_or(1, |g| g.shard().world);
         Ok(Model {
+            heads: config.num_attention_heads / world,
+            group,
             embed,
             layers,
             norm,
@@ -795,7 +835,7 @@ impl<B: Backend> Model<B> {
             let (t, p) = guard.as_ref().map_or((tokens, picked), |s| (s.tokens.max(tokens), s.picked.max(picked)));
             graphs.recorded.clear(); // they hold the old buffers' addresses
             *guard = None; // free the old buffers before allocating the new ones
-            *guard = Some(Scratch::new(b, &self.config, cache.layout.pages_per_req, t.max(1), p.max(1))?);
+            *guard = Some(Scratch::new(b, &self.config, self.heads, cache.layout.pages_per_req, t.max(1), p.max(1))?);
         }
         let s = guard.as_mut().expect("made above");
         while s.hidden.len() < hidden.len() {
@@ -821,7 +861,7 @@ impl<B: Backend> Model<B> {
             topk,
             hidden: hidden_mask.unwrap_or(0),
         });
-        let epoch = b.plan_epoch();
+        let epoch = self.plan_epoch();
         match key.and_then(|k| graphs.recorded.get(&k)).filter(|(e, _)| *e == epoch) {
             Some((_, graph)) => b.replay(graph)?,
             None => {
@@ -832,7 +872,7 @@ impl<B: Backend> Model<B> {
                         graphs.recorded.clear();
                     }
                     // A plan that grew while recording would leave the graph with stale addresses.
-                    if let Some(graph) = graph.filter(|_| b.plan_epoch() == epoch) {
+                    if let Some(graph) = graph.filter(|_| self.plan_epoch() == epoch) {
                         graphs.recorded.insert(key, (epoch, graph));
                     }
                 }
@@ -866,10 +906,12 @@ impl<B: Backend> Model<B> {
             layer.input_norm.run(b, &s.x, tokens, &mut s.normed)?;
             laps.lap(Stage::Elementwise)?;
             self.attention(layer, &mut cache.storage[l], cache.layout, inputs, s, laps)?;
+            self.sum_over_ranks(&mut s.out, tokens * h, laps)?;
             b.add(&mut s.x, &s.out, tokens * h)?;
             layer.post_attn_norm.run(b, &s.x, tokens, &mut s.normed)?;
             laps.lap(Stage::Elementwise)?;
             self.feed_forward(&layer.ffn, tokens, s, laps)?;
+            self.sum_over_ranks(&mut s.out, tokens * h, laps)?;
             b.add(&mut s.x, &s.out, tokens * h)?;
             if let Some(k) = hidden.iter().position(|&want| want == l) {
                 b.gather(&s.x, h, tokens, &s.every, tokens, &mut s.hidden[k])?;
@@ -990,7 +1032,7 @@ impl<B: Backend> Model<B> {
         laps: &mut Laps<B>,
     ) -> Result<()> {
         let (b, c, w) = (&*self.backend, &self.config, &layer.attn);
-        let (t, heads, nope, v) = (x.ids.len(), c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim);
+        let (t, heads, nope, v) = (x.ids.len(), self.heads, c.qk_nope_head_dim, c.v_head_dim);
         b.matmul(&w.kv_a, &s.normed, t, &mut s.kv)?;
         laps.lap(Stage::Projections)?;
         let write = KvWrite {
@@ -1050,6 +1092,37 @@ impl<B: Backend> Model<B> {
         laps.lap(Stage::Projections)
     }
 
+    /// Completes a split block's output `x[..n]` (this rank's partial sum) with the other ranks'; nothing
+    /// to do for a whole model.
+    fn sum_over_ranks(&self, x: &mut B::Buf<f32>, n: usize, laps: &mut Laps<B>) -> Result<()> {
+        match &self.group {
+            Some(group) => {
+                group.all_reduce(&self.backend, x, n)?;
+                laps.lap(Stage::Communication)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// The backend's plan epoch, and the group's: a recorded graph is stale when either changed.
+    fn plan_epoch(&self) -> u64 {
+        self.backend.plan_epoch().wrapping_add(self.group.as_ref().map_or(0, |g| g.epoch() << 32))
+    }
+
+    /// Aborts the collectives of this model's group ([`Collective::abort`]).
+    pub(crate) fn abort_group(&self) {
+        if let Some(g) = &self.group {
+            g.abort();
+        }
+    }
+
+    /// Readies this model's group after an aborted step ([`Collective::reset`]).
+    pub(crate) fn reset_group(&self) {
+        if let Some(g) = &self.group {
+            g.reset();
+        }
+    }
+
     /// The feed-forward block on `s.normed` into `s.out`.
     fn feed_forward(&self, ffn: &FeedForward<B>, t: usize, s: &mut Scratch<B>, laps: &mut Laps<B>) -> Result<()> {
         let b = &*self.backend;
@@ -1060,7 +1133,7 @@ impl<B: Backend> Model<B> {
                 b.to_bf16(&s.normed, t * h, &mut s.x16)?;
                 laps.lap(Stage::Elementwise)?;
                 b.matmul(&moe.router, &s.normed, t, &mut s.router)?;
-                b.moe(&s.router, &moe.bias, moe.top_k, moe.scaling, &s.x16, &moe.experts, t, &mut s.out)?;
+                b.moe(&s.router, &moe.bias, moe.top_k, moe.scaling, &s.x16, &moe.experts, moe.share, t, &mut s.out)?;
                 laps.lap(Stage::Moe)?;
                 match &moe.shared {
                     Some(shared) => {
@@ -1174,26 +1247,75 @@ fn check_requests(requests: &[StepRequest], vocab: usize) -> Result<()> {
     Ok(())
 }
 
-/// Decoder layer `i` of `c`, its tensors named `{p}.…`.
-pub(super) fn load_layer<B: Backend>(b: &B, ckpt: &Checkpoint, c: &Config, p: &str, i: usize) -> Result<Layer<B>> {
+/// Checks, before anything is loaded, that every size a split divides splits evenly over `shard`'s
+/// ranks, and that a rank's share of the heads is a head count the attention kernels take.
+fn check_split(c: &Config, shard: Shard) -> Result<()> {
+    if shard.world == 1 {
+        return Ok(());
+    }
+    let heads = shard.range("num_attention_heads", c.num_attention_heads)?.len();
+    if !SUPPORTED_HEADS.contains(&heads) {
+        return Err(Error::param(
+            "num_attention_heads",
+            c.num_attention_heads,
+            format!("{heads} heads per rank over {} ranks; the attention takes {SUPPORTED_HEADS:?}", shard.world),
+        ));
+    }
+    let layers = 0..c.num_hidden_layers;
+    if layers.clone().any(|i| !c.is_moe_layer(i)) {
+        shard.range("intermediate_size", c.intermediate_size)?;
+    }
+    if layers.clone().any(|i| c.is_moe_layer(i)) {
+        shard.range("n_routed_experts", c.n_routed_experts)?;
+        if c.n_shared_experts > 0 {
+            shard.range("shared expert intermediate size", c.moe_intermediate_size * c.n_shared_experts)?;
+        }
+    }
+    Ok(())
+}
+
+/// Decoder layer `i` of `c`, its tensors named `{p}.…`: the share of `shard`'s rank (its attention
+/// heads, intermediate features and routed experts), or all of it for [`Shard::WHOLE`].
+pub(super) fn load_layer<B: Backend>(
+    b: &B,
+    ckpt: &Checkpoint,
+    c: &Config,
+    p: &str,
+    i: usize,
+    shard: Shard,
+) -> Result<Layer<B>> {
     let h = c.hidden_size;
+    let whole = shard == Shard::WHOLE;
+    let mlp_share = |m: &layers::Mlp, name: &'static str| -> Result<Mlp<B>> {
+        if whole {
+            return Mlp::place(b, m);
+        }
+        Mlp::place(b, &m.part(shard.range(name, m.gate.out_features())?)?)
+    };
     let ffn = if c.is_moe_layer(i) {
         let m = layers::Moe::load(ckpt, &format!("{p}.mlp"), c)?;
+        let total = c.n_routed_experts;
+        let experts = shard.range("n_routed_experts", total)?;
+        let share = ExpertShare { first: experts.start, total };
         FeedForward::Moe(Box::new(Moe {
             router: Dense::place(b, &m.router)?.w,
             bias: b.upload(&m.bias)?,
-            experts: b.experts(&m.experts.view())?,
-            shared: m.shared.as_ref().map(|s| Mlp::place(b, s)).transpose()?,
+            experts: if whole { b.experts(&m.experts.view())? } else { b.experts(&m.experts.range(experts)?.view())? },
+            share,
+            shared: m.shared.as_ref().map(|s| mlp_share(s, "shared expert intermediate size")).transpose()?,
             top_k: m.top_k,
             scaling: m.scaling,
         }))
     } else {
-        FeedForward::Dense(Mlp::place(b, &layers::Mlp::load(ckpt, &format!("{p}.mlp"), h, c.intermediate_size)?)?)
+        let mlp = layers::Mlp::load(ckpt, &format!("{p}.mlp"), h, c.intermediate_size)?;
+        FeedForward::Dense(mlp_share(&mlp, "intermediate_size")?)
     };
+    let attn = MlaWeights::load(ckpt, &format!("{p}.self_attn"), c)?;
+    let attn = if whole { attn } else { attn.heads(shard.range("num_attention_heads", c.num_attention_heads)?, c)? };
     let norm = |name: &str| layers::RmsNorm::load(ckpt, &format!("{p}.{name}.weight"), h, c.rms_norm_eps);
     Ok(Layer {
         input_norm: Norm::place(b, &norm("input_layernorm")?)?,
-        attn: Attention::place(b, &MlaWeights::load(ckpt, &format!("{p}.self_attn"), c)?, c)?,
+        attn: Attention::place(b, &attn, c)?,
         post_attn_norm: Norm::place(b, &norm("post_attention_layernorm")?)?,
         ffn,
     })

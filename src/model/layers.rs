@@ -49,6 +49,27 @@ impl Linear {
     pub fn in_features(&self) -> usize {
         self.inp
     }
+
+    /// Output rows `rows` of this layer (a row-split share of it).
+    pub fn rows(&self, rows: std::ops::Range<usize>) -> Result<Self> {
+        check_range("rows", &rows, self.out)?;
+        Self::new(self.w[rows.start * self.inp..rows.end * self.inp].to_vec(), rows.len(), self.inp)
+    }
+
+    /// Input columns `cols` of this layer (a column-split share of it, whose outputs are partial sums).
+    pub fn columns(&self, cols: std::ops::Range<usize>) -> Result<Self> {
+        check_range("columns", &cols, self.inp)?;
+        let w = (0..self.out).flat_map(|r| self.row(r)[cols.clone()].iter().copied()).collect();
+        Self::new(w, self.out, cols.len())
+    }
+}
+
+/// `range` is a non-empty part of `0..len`.
+fn check_range(name: &'static str, range: &std::ops::Range<usize>, len: usize) -> Result<()> {
+    if range.is_empty() || range.end > len {
+        return Err(Error::param(name, format!("{range:?}"), format!("must be a non-empty part of 0..{len}")));
+    }
+    Ok(())
 }
 
 /// RMSNorm with a learned scale: `w · x / sqrt(mean(x²) + eps)` ([`crate::cpu::rowops::rmsnorm`]).
@@ -80,6 +101,16 @@ pub struct Mlp {
 }
 
 impl Mlp {
+    /// The share of intermediate features `inter` of this MLP: those gate and up rows, the matching down
+    /// columns; its output is a partial sum of the whole MLP's.
+    pub fn part(&self, inter: std::ops::Range<usize>) -> Result<Self> {
+        Ok(Mlp {
+            gate: self.gate.rows(inter.clone())?,
+            up: self.up.rows(inter.clone())?,
+            down: self.down.columns(inter)?,
+        })
+    }
+
     /// Reads `<prefix>.{gate,up,down}_proj.weight` for hidden size `h` and intermediate size `i`.
     pub fn load(ckpt: &Checkpoint, prefix: &str, h: usize, i: usize) -> Result<Self> {
         Ok(Mlp {
@@ -117,6 +148,11 @@ impl RoutedExperts {
     /// The borrowed view the MoE kernel takes.
     pub fn view(&self) -> Experts<'_> {
         self.0.view()
+    }
+
+    /// Experts `range` alone (an expert-parallel share), numbered from 0.
+    pub fn range(&self, range: std::ops::Range<usize>) -> Result<OwnedExperts> {
+        self.0.range(range)
     }
 }
 
@@ -214,6 +250,28 @@ pub struct MlaWeights {
     pub kv_b: Linear,
     /// `o_proj`: `[h, heads · v]`.
     pub o_proj: Linear,
+}
+
+impl MlaWeights {
+    /// The share of attention heads `heads` of these projections (tensor parallel by heads): those heads'
+    /// query rows, `kv_b` rows and `o_proj` columns (whose output is then a partial sum); the latent
+    /// projections, which every head reads, whole.
+    pub fn heads(&self, heads: std::ops::Range<usize>, c: &Config) -> Result<Self> {
+        let q_width = c.qk_nope_head_dim + c.qk_rope_head_dim;
+        let kv_width = c.qk_nope_head_dim + c.v_head_dim;
+        let scaled = |w: usize| heads.start * w..heads.end * w;
+        let q = match &self.q {
+            QueryProj::Full(q) => QueryProj::Full(q.rows(scaled(q_width))?),
+            QueryProj::LowRank(a, n, qb) => QueryProj::LowRank(a.clone(), n.clone(), qb.rows(scaled(q_width))?),
+        };
+        Ok(MlaWeights {
+            q,
+            kv_a: self.kv_a.clone(),
+            kv_a_norm: self.kv_a_norm.clone(),
+            kv_b: self.kv_b.rows(scaled(kv_width))?,
+            o_proj: self.o_proj.columns(scaled(c.v_head_dim))?,
+        })
+    }
 }
 
 /// transformers builds `q_a_layernorm` and `kv_a_layernorm` with their default epsilon, not the config's.

@@ -13,10 +13,11 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::model::backend::Backend;
-use crate::model::{KvCache, Logits, Model, StepRequest, TreeInput};
+use crate::model::{Logits, StepRequest, TreeInput};
 use crate::types::DraftTree;
 
 use super::proposer::Proposal;
+use super::target::{Target, TargetCache};
 
 /// Longest drafting back-off, in steps.
 const MAX_BACKOFF: usize = 64;
@@ -59,10 +60,10 @@ impl StepTimes {
     /// Measures every budget's step at the bucket of `batch` that is not measured yet (see
     /// [`StepTimes::seconds`]), the largest first: a step that grows the model's scratch drops the
     /// recorded graphs, so growing it once keeps the smaller budgets' graphs for the run.
-    pub(super) fn measure<B: Backend>(
+    pub(super) fn measure<B: Backend, T: Target<B>>(
         &mut self,
-        model: &Model<B>,
-        cache: &mut KvCache<B>,
+        model: &T,
+        cache: &mut T::Cache,
         batch: usize,
         layers: &[usize],
     ) -> Result<()> {
@@ -76,10 +77,10 @@ impl StepTimes {
     /// trees above), at the power-of-two bucket of `batch`: measured on short sequences added to `cache`
     /// for the purpose (the steps it records are the ones the engine replays), or on a cache of their
     /// own when `cache` has too few free pages.
-    fn seconds<B: Backend>(
+    fn seconds<B: Backend, T: Target<B>>(
         &mut self,
-        model: &Model<B>,
-        cache: &mut KvCache<B>,
+        model: &T,
+        cache: &mut T::Cache,
         batch: usize,
         rows: usize,
         layers: &[usize],
@@ -89,7 +90,7 @@ impl StepTimes {
             return Ok(t);
         }
         let room = rows + REPEATS + 4;
-        let pages = |c: &KvCache<B>| bucket * room.div_ceil(c.page_size());
+        let pages = |c: &T::Cache| bucket * room.div_ceil(c.page_size());
         let t = if cache.free_pages() >= pages(cache) && room <= cache.max_seq_len() {
             time_step(model, cache, bucket, rows, layers)?
         } else {
@@ -103,9 +104,9 @@ impl StepTimes {
 
 /// The fastest of [`REPEATS`] target steps of `batch` one-token sequences added to `cache` (and removed
 /// after), each with `rows` rows.
-fn time_step<B: Backend>(
-    model: &Model<B>,
-    cache: &mut KvCache<B>,
+fn time_step<B: Backend, T: Target<B>>(
+    model: &T,
+    cache: &mut T::Cache,
     batch: usize,
     rows: usize,
     layers: &[usize],
@@ -118,9 +119,9 @@ fn time_step<B: Backend>(
     best
 }
 
-fn run_timed<B: Backend>(
-    model: &Model<B>,
-    cache: &mut KvCache<B>,
+fn run_timed<B: Backend, T: Target<B>>(
+    model: &T,
+    cache: &mut T::Cache,
     seqs: &[usize],
     rows: usize,
     layers: &[usize],
@@ -242,10 +243,10 @@ impl AutoBudget {
     }
 
     /// Measures the step times of the bucket of `batch` now (start-up), not at its first step.
-    pub(super) fn warm_up<B: Backend>(
+    pub(super) fn warm_up<B: Backend, T: Target<B>>(
         &mut self,
-        model: &Model<B>,
-        cache: &mut KvCache<B>,
+        model: &T,
+        cache: &mut T::Cache,
         batch: usize,
         layers: &[usize],
     ) -> Result<()> {
@@ -256,10 +257,10 @@ impl AutoBudget {
     /// accepted drafts scaled by the calibration) per second of target step (the draft is already
     /// made). Starts a back-off when the draft took a noticeable share of a step and the best budget,
     /// counting `draft` time, is slower than a plain step.
-    pub(super) fn choose<B: Backend>(
+    pub(super) fn choose<B: Backend, T: Target<B>>(
         &mut self,
-        model: &Model<B>,
-        cache: &mut KvCache<B>,
+        model: &T,
+        cache: &mut T::Cache,
         expected: &impl Fn(usize) -> f64,
         batch: usize,
         draft: Duration,

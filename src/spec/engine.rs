@@ -8,13 +8,14 @@ use crate::cpu::greedy_accept::accept_from_argmax;
 use crate::cpu::tree_build::build_trees;
 use crate::error::{Error, Result};
 use crate::model::backend::Backend;
-use crate::model::{KvCache, Logits, Model, StepRequest, TreeCommit, TreeInput};
+use crate::model::{Logits, Model, StepRequest, TreeCommit, TreeInput};
 use crate::types::{top_k_for, DraftTree, TreeShape};
 use crate::MAX_DEPTH;
 
 use super::auto::{AutoBudget, StepTimes};
 use super::proposer::{DraftRequest, Proposal, Proposer};
 use super::sampling::Sampling;
+use super::target::{Target, TargetCache};
 
 /// Largest tree budget the engine takes: the range it is tested and measured in (DDTree's B 8-64; the
 /// tree kernels themselves take more).
@@ -244,10 +245,11 @@ struct Active {
     first_token: Option<Instant>,
 }
 
-/// The speculative decoding engine over `model` with proposer `P` (see the module documentation).
-pub struct Engine<'m, B: Backend, P: Proposer> {
-    model: &'m Model<B>,
-    cache: KvCache<B>,
+/// The speculative decoding engine over the target `model` (a [`Model`] by default, or a
+/// [`crate::parallel::ShardedModel`]) with proposer `P` (see the module documentation).
+pub struct Engine<'m, B: Backend, P: Proposer, T: Target<B> = Model<B>> {
+    model: &'m T,
+    cache: T::Cache,
     proposer: P,
     config: EngineConfig,
     active: Vec<Active>,
@@ -259,9 +261,9 @@ pub struct Engine<'m, B: Backend, P: Proposer> {
     auto: AutoBudget,
 }
 
-impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
+impl<'m, B: Backend, P: Proposer, T: Target<B>> Engine<'m, B, P, T> {
     /// An engine with its own KV cache.
-    pub fn new(model: &'m Model<B>, proposer: P, config: EngineConfig) -> Result<Self> {
+    pub fn new(model: &'m T, proposer: P, config: EngineConfig) -> Result<Self> {
         config.validate()?;
         if let Some(block) = proposer.block_size().filter(|&b| config.mode != Mode::Ar && b != config.block) {
             return Err(Error::param(
@@ -287,7 +289,7 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
     }
 
     /// The target model.
-    pub fn model(&self) -> &'m Model<B> {
+    pub fn model(&self) -> &'m T {
         self.model
     }
 
@@ -616,7 +618,7 @@ impl<'m, B: Backend, P: Proposer> Engine<'m, B, P> {
         let commits: Vec<TreeCommit> =
             drafted.iter().zip(&paths).map(|(&i, rows)| TreeCommit { seq: self.active[i].seq, rows }).collect();
         let started = Instant::now();
-        self.cache.commit_trees(self.model.backend(), &commits, n_rows)?;
+        self.model.commit_trees(&mut self.cache, &commits, n_rows)?;
         self.stats.stages.compaction += started.elapsed();
         self.auto.observe(acc.accept_len[..drafted.len()].iter().map(|&a| a as usize).sum());
         let mut emitted = Vec::with_capacity(drafted.len());
@@ -758,9 +760,9 @@ impl Chosen {
 /// backend when no request in the step samples), a sample of a sampling request's row at the position
 /// `rows[r].1` predicts. `rows[r].0` is the row's request (an index into `active`). With `layers`, the
 /// step also returns every token's hidden states there.
-fn choose<B: Backend>(
-    model: &Model<B>,
-    cache: &mut KvCache<B>,
+fn choose<B: Backend, T: Target<B>>(
+    model: &T,
+    cache: &mut T::Cache,
     active: &[Active],
     requests: &[StepRequest],
     which: Logits,

@@ -13,6 +13,7 @@ mod dflash;
 mod engine;
 mod proposer;
 mod sampling;
+mod target;
 
 pub use dflash::DflashProposer;
 pub use engine::{
@@ -21,3 +22,4 @@ pub use engine::{
 };
 pub use proposer::{DraftRequest, NgramProposer, Proposal, Proposer};
 pub use sampling::{sample, uniform, Sampling};
+pub use target::{Target, TargetCache};
