@@ -309,5 +309,9 @@ mod cuda {
             }
             assert!(split.ranks()[0].recorded_graphs() > 0, "graph replay was never taken");
         }
+        let err = ShardedModel::load_cuda(&checkpoints()[0], &[0, 0]).err().expect("one GPU named twice");
+        assert!(matches!(err, Error::Param { name: "ordinals", .. }), "{err}");
+        let err = ShardedModel::load_cuda(&checkpoints()[0], &[]).err().expect("no GPU");
+        assert!(matches!(err, Error::Param { name: "backends", .. }), "{err}");
     }
 }

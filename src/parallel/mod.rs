@@ -117,6 +117,13 @@ impl ShardedModel<crate::cuda::backend::CudaBackend> {
     /// Loads a checkpoint directory split over the GPUs `ordinals` (rank order), summing through NCCL.
     pub fn load_cuda(dir: impl AsRef<Path>, ordinals: &[usize]) -> Result<Self> {
         use crate::cuda::backend::CudaBackend;
+        if let Some(i) = (1..ordinals.len()).find(|&i| ordinals[..i].contains(&ordinals[i])) {
+            return Err(Error::param(
+                "ordinals",
+                format!("{ordinals:?}"),
+                format!("GPU {} is named twice: one rank a GPU", ordinals[i]),
+            ));
+        }
         let backends: Vec<CudaBackend> =
             ordinals.iter().map(|&o| CudaBackend::new(crate::cuda::Gpu::new(o)?)).collect::<Result<_>>()?;
         let groups = nccl::NcclGroup::new(&backends)?;
