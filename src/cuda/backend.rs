@@ -142,6 +142,7 @@ struct SizedMoe {
     plan: MoePlan,
     k: usize,
     share: ExpertShare,
+    shape: ExpertsShape,
     tokens: usize,
 }
 
@@ -530,12 +531,12 @@ impl Backend for CudaBackend {
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
         let mut plans = self.plans();
-        let fits = |m: &SizedMoe| m.k == k && m.share == share && m.tokens >= tokens;
+        let fits = |m: &SizedMoe| m.k == k && m.share == share && m.shape == experts.shape && m.tokens >= tokens;
         if !plans.moe.as_ref().is_some_and(fits) {
             let t = plans.moe.as_ref().map_or(tokens, |m| m.tokens.max(tokens));
             plans.moe = None;
             let plan = MoePlan::new_share(&self.gpu, experts.shape, share, k, t)?;
-            plans.moe = Some(SizedMoe { plan, k, share, tokens: t });
+            plans.moe = Some(SizedMoe { plan, k, share, shape: experts.shape, tokens: t });
             self.bump_epoch();
         }
         let moe = plans.moe.as_mut().expect("made above");
