@@ -12,8 +12,14 @@
 //! gaps of launching op by op: the 1-GPU one as measured, the 8-GPU one (meaningful with `--heads 8`)
 //! with the routed and shared experts, the dense MLP and lm_head divided by eight and no communication.
 //!
+//! With `--pipeline 2,4` it instead times the decode and tree steps through pipeline stages
+//! ([`ShardedModel::random`]) of 1 and each given count, every stage on the same device, and prints
+//! each count's step beside one stage's and the difference per stage boundary: what handing the rows
+//! from stage to stage through the host costs (the stages' own work adds up to one stage's).
+//!
 //! ```text
 //! cargo run --release --features cuda --example bench_step -- --gpu --heads 64
+//! cargo run --release --features cuda --example bench_step -- --gpu --layers 4 --pipeline 2,4
 //! cargo run --release --example bench_step -- --config fixtures/tiny_model/config.json --prefix 64
 //! ```
 
@@ -28,6 +34,7 @@ use clap::Parser;
 use kdtree_engine::model::backend::Backend;
 use kdtree_engine::model::config::Config;
 use kdtree_engine::model::{Logits, Model, Stage, StageTime, StepRequest, TreeInput};
+use kdtree_engine::parallel::{Layout, ShardedCache, ShardedModel};
 use kdtree_engine::{Error, Result};
 
 #[derive(Parser, Debug)]
@@ -63,6 +70,10 @@ struct Args {
     /// Also write the table as CSV here.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Pipeline stage counts to time beside one stage (on one device), comma-separated; replaces the
+    /// per-stage table.
+    #[arg(long, value_delimiter = ',')]
+    pipeline: Vec<usize>,
 }
 
 /// Kimi-K2's shape (config.json of moonshotai/Kimi-K2-Instruct, research/kimi-int4.md) with `layers`
@@ -105,12 +116,18 @@ fn run(args: &Args) -> Result<()> {
         return Err(Error::param("--trees", n, "tree rows must be in 1..=257"));
     }
     if !args.gpu {
+        if !args.pipeline.is_empty() {
+            return bench_pipeline(args, config, || Ok(kdtree_engine::cpu::backend::CpuBackend));
+        }
         return bench(args, Model::random(config, kdtree_engine::cpu::backend::CpuBackend, 1)?);
     }
     #[cfg(feature = "cuda")]
     {
-        let gpu = kdtree_engine::cuda::Gpu::new(0)?;
-        bench(args, Model::random(config, kdtree_engine::cuda::backend::CudaBackend::new(gpu)?, 1)?)
+        use kdtree_engine::cuda::{backend::CudaBackend, Gpu};
+        if !args.pipeline.is_empty() {
+            return bench_pipeline(args, config, || CudaBackend::new(Gpu::new(0)?));
+        }
+        bench(args, Model::random(config, CudaBackend::new(Gpu::new(0)?)?, 1)?)
     }
     #[cfg(not(feature = "cuda"))]
     Err(Error::param("--gpu", true, "this build has no CUDA backend: build with `--features cuda`"))
@@ -161,11 +178,7 @@ fn bench<B: Backend>(args: &Args, model: Model<B>) -> Result<()> {
     let mut rows = Vec::new();
     for &batch in &args.batches {
         let tokens: Vec<u32> = (0..batch).map(token).collect();
-        let requests: Vec<StepRequest> = seqs[..batch]
-            .iter()
-            .zip(&tokens)
-            .map(|(&seq, t)| StepRequest { seq, tokens: std::slice::from_ref(t), tree: None })
-            .collect();
+        let requests = decode_requests(&seqs[..batch], &tokens);
         rows.push(measure(&model, &mut cache, &requests, "decode", batch, 1, args.steps)?);
     }
     for &n in &args.trees {
@@ -181,6 +194,118 @@ fn bench<B: Backend>(args: &Args, model: Model<B>) -> Result<()> {
     report(args, &model.backend().name(), &c, &rows)
 }
 
+/// The decode and tree steps of `args` through 1 and each `--pipeline` count of stages, each stage on
+/// its own backend from `backend` (the same device), one micro-batch a step: a table of the mean step
+/// times (graphs on) and of the difference to one stage per stage boundary.
+fn bench_pipeline<B: Backend>(args: &Args, config: Config, backend: impl Fn() -> Result<B>) -> Result<()> {
+    let mut counts = vec![1];
+    for &p in &args.pipeline {
+        if p == 0 || p > config.num_hidden_layers {
+            return Err(Error::param("--pipeline", p, format!("stage counts in 1..={}", config.num_hidden_layers)));
+        }
+        if !counts.contains(&p) {
+            counts.push(p);
+        }
+    }
+    let mut names = Vec::new();
+    let mut times: Vec<Vec<Duration>> = Vec::new();
+    for &p in &counts {
+        let backends = (0..p).map(|_| backend()).collect::<Result<Vec<B>>>()?;
+        let mut model = ShardedModel::random(config.clone(), Layout::pipeline(p), backends, 1)?;
+        model.set_micro_batches(1)?;
+        let steps = time_pipeline_steps(args, &model)?;
+        names = steps.iter().map(|(n, _)| n.clone()).collect();
+        times.push(steps.into_iter().map(|(_, t)| t).collect());
+    }
+    println!(
+        "{} pipeline stages on one device, {} layers, {} heads, prefix {}, graph steps (ms):",
+        args.pipeline.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("/"),
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        args.prefix
+    );
+    let head: Vec<String> = counts.iter().map(|&p| format!("{p} stage{}", if p == 1 { "" } else { "s" })).collect();
+    let per: Vec<String> = counts[1..].iter().map(|p| format!("hand-over ({p})")).collect();
+    println!("| step | {} | {} |", head.join(" | "), per.join(" | "));
+    println!("|---|{}{}", "---|".repeat(head.len()), "---|".repeat(per.len()));
+    for (i, name) in names.iter().enumerate() {
+        let cells: Vec<String> = times.iter().map(|t| format!("{:.3}", ms(t[i]))).collect();
+        let boundary: Vec<String> = counts[1..]
+            .iter()
+            .zip(&times[1..])
+            .map(|(&p, t)| format!("{:.3}", (ms(t[i]) - ms(times[0][i])) / (p - 1) as f64))
+            .collect();
+        println!("| {name} | {} | {} |", cells.join(" | "), boundary.join(" | "));
+    }
+    Ok(())
+}
+
+/// Prefills every sequence, then times each decode batch and tree shape of `args` through `model`.
+fn time_pipeline_steps<B: Backend>(args: &Args, model: &ShardedModel<B>) -> Result<Vec<(String, Duration)>> {
+    let vocab = model.config().vocab_size;
+    let max_batch = args.batches.iter().chain(&args.tree_batches).copied().max().unwrap_or(1);
+    let max_tree = args.trees.iter().copied().max().unwrap_or(1);
+    let len = args.prefix + (args.steps + 2) * (args.batches.len() + 2) + max_tree + 8;
+    let page = 64;
+    let mut cache = model.new_cache(max_batch * len.div_ceil(page), page, len)?;
+    let seqs: Vec<usize> = (0..max_batch).map(|_| cache.add_sequence()).collect();
+    let token = |i: usize| ((i * 7919 + 13) % vocab) as u32;
+    for &seq in &seqs {
+        let prompt: Vec<u32> = (0..args.prefix).map(|i| token(i + seq)).collect();
+        for chunk in prompt.chunks(1024) {
+            model.step_argmax(&mut cache, &[StepRequest { seq, tokens: chunk, tree: None }], Logits::Last)?;
+        }
+    }
+    let mut times = Vec::new();
+    for &batch in &args.batches {
+        let tokens: Vec<u32> = (0..batch).map(token).collect();
+        let requests = decode_requests(&seqs[..batch], &tokens);
+        times.push((format!("decode bs {batch}"), time_sharded(model, &mut cache, &requests, args.steps)?));
+    }
+    for &n in &args.trees {
+        let (depth, visibility) = heap_tree(n);
+        let tokens: Vec<u32> = (0..n).map(token).collect();
+        for &batch in &args.tree_batches {
+            let tree = Some(TreeInput { depth: &depth, visibility: &visibility });
+            let requests: Vec<StepRequest> =
+                seqs[..batch].iter().map(|&seq| StepRequest { seq, tokens: &tokens, tree }).collect();
+            let time = time_sharded(model, &mut cache, &requests, args.steps)?;
+            times.push((format!("tree N {n} bs {batch}"), time));
+        }
+    }
+    Ok(times)
+}
+
+/// The mean step time of `requests` through `model` over `steps` steps, after two warm-up steps.
+fn time_sharded<B: Backend>(
+    model: &ShardedModel<B>,
+    cache: &mut ShardedCache<B>,
+    requests: &[StepRequest],
+    steps: usize,
+) -> Result<Duration> {
+    let step = mean_step(steps, || model.step_argmax(cache, requests, Logits::Last).map(drop))?;
+    let rows: usize = requests.iter().map(|r| r.tokens.len()).sum();
+    eprintln!("{} stage(s), {rows} rows: {:.3} ms a step", model.layout().pipeline, ms(step));
+    Ok(step)
+}
+
+/// One decode token of `tokens` for each sequence of `seqs`.
+fn decode_requests<'a>(seqs: &[usize], tokens: &'a [u32]) -> Vec<StepRequest<'a>> {
+    seqs.iter().zip(tokens).map(|(&seq, t)| StepRequest { seq, tokens: std::slice::from_ref(t), tree: None }).collect()
+}
+
+/// The mean time of `steps` calls of `step`, after two warm-up calls (which record the graphs).
+fn mean_step(steps: usize, mut step: impl FnMut() -> Result<()>) -> Result<Duration> {
+    for _ in 0..2 {
+        step()?;
+    }
+    let start = Instant::now();
+    for _ in 0..steps {
+        step()?;
+    }
+    Ok(start.elapsed() / steps as u32)
+}
+
 /// The mean step time over `steps` steps (graphs on, after two warm-up steps) and one profiled step.
 fn measure<B: Backend>(
     model: &Model<B>,
@@ -191,14 +316,7 @@ fn measure<B: Backend>(
     rows: usize,
     steps: usize,
 ) -> Result<Row> {
-    for _ in 0..2 {
-        model.step_argmax(cache, requests, Logits::Last)?;
-    }
-    let start = Instant::now();
-    for _ in 0..steps {
-        model.step_argmax(cache, requests, Logits::Last)?;
-    }
-    let step = start.elapsed() / steps as u32;
+    let step = mean_step(steps, || model.step_argmax(cache, requests, Logits::Last).map(drop))?;
     let stages = model.profile_step(cache, requests, Logits::Last)?;
     let profiled: Duration = stages.iter().map(|t| t.time).sum();
     // Also printed as it goes, so that a run cut short still shows what it measured.

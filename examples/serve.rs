@@ -5,6 +5,8 @@
 //! cargo run --release --example serve
 //! cargo run --release --example serve -- --mode ddtree --budget 32 --max-batch 16 --port 8000
 //! cargo run --release --features cuda --example serve -- --gpu --mode auto
+//! cargo run --release --features cuda --example serve -- --gpu --model path/to/Kimi-K2 --tensor 8
+//! cargo run --release --features cuda --example serve -- --gpu --model path/to/Kimi-K2 --tensor 8
 //! curl http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' \
 //!     -d '{"model": "tiny-k2", "prompt": "It is a truth universally acknowledged, that", "max_tokens": 32}'
 //! ```
@@ -18,8 +20,9 @@ use std::sync::Arc;
 use clap::Parser;
 use kdtree_engine::model::backend::Backend;
 use kdtree_engine::model::{drafter_beside, Drafter, Model, Tokenizer};
+use kdtree_engine::parallel::{Layout, ShardedModel};
 use kdtree_engine::server::{self, AppState, LoopStarter};
-use kdtree_engine::spec::{DflashProposer, Engine, EngineConfig, Mode, NgramProposer};
+use kdtree_engine::spec::{DflashProposer, Engine, EngineConfig, Mode, NgramProposer, Target};
 use kdtree_engine::{Error, Result};
 
 #[derive(Parser, Debug, Clone)]
@@ -59,6 +62,12 @@ struct Args {
     /// Run on the CUDA backend (needs the `cuda` feature and a device).
     #[arg(long)]
     gpu: bool,
+    /// Ranks sharing each layer (tensor and expert parallel): CPU threads, or GPUs with `--gpu`.
+    #[arg(long, default_value_t = 1)]
+    tensor: usize,
+    /// Pipeline stages of layers, each of `--tensor` ranks; GPUs 0.. in stage order with `--gpu`.
+    #[arg(long, default_value_t = 1)]
+    pipeline: usize,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -109,29 +118,43 @@ fn dir_name(dir: &Path) -> String {
     dir.file_name().map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned())
 }
 
-/// Loads the model on the backend `--gpu` asks for and runs the engine loop (on the engine thread).
+/// Loads the model on the backend `--gpu` asks for, whole or split by `--tensor` / `--pipeline`, and
+/// runs the engine loop (on the engine thread).
 fn build(args: &Args, starter: LoopStarter) -> Result<()> {
+    let layout = Layout { tensor: args.tensor, pipeline: args.pipeline };
+    let split = layout != Layout::tensor(1);
     if !args.gpu {
-        return serve_model(args, Model::load(&args.model)?, starter);
+        if split {
+            let model = ShardedModel::load_cpu(&args.model, layout)?;
+            return serve_model(args, &model, &model.ranks()[0], starter);
+        }
+        let model = Model::load(&args.model)?;
+        return serve_model(args, &model, &model, starter);
     }
     #[cfg(feature = "cuda")]
     {
-        let gpu = kdtree_engine::cuda::Gpu::new(0)?;
-        let model = Model::load_on(&args.model, kdtree_engine::cuda::backend::CudaBackend::new(gpu)?)?;
-        serve_model(args, model, starter)
+        use kdtree_engine::cuda::backend::CudaBackend;
+        if split {
+            let ordinals: Vec<usize> = (0..layout.ranks()).collect();
+            let model = ShardedModel::load_cuda(&args.model, layout, &ordinals)?;
+            return serve_model(args, &model, &model.ranks()[0], starter);
+        }
+        let model = Model::load_on(&args.model, CudaBackend::new(kdtree_engine::cuda::Gpu::new(0)?)?)?;
+        serve_model(args, &model, &model, starter)
     }
     #[cfg(not(feature = "cuda"))]
     Err(Error::param("--gpu", true, "this build has no CUDA backend: build with `--features cuda`"))
 }
 
-/// The engine over `model` with the proposer the options ask for, served until the server stops.
-fn serve_model<B: Backend>(args: &Args, model: Model<B>, starter: LoopStarter) -> Result<()> {
+/// The engine over `model` with the proposer the options ask for, served until the server stops. The
+/// drafter sits beside `first`, the model's first rank (the whole model when it is not split).
+fn serve_model<B: Backend, T: Target<B>>(args: &Args, model: &T, first: &Model<B>, starter: LoopStarter) -> Result<()> {
     let drafter_dir = if args.ngram || args.mode == Mode::Ar {
         None
     } else {
         args.drafter.clone().or_else(|| drafter_beside(&args.model))
     };
-    let drafter = drafter_dir.map(|dir| Drafter::load(dir, &model)).transpose()?;
+    let drafter = drafter_dir.map(|dir| Drafter::load(dir, first)).transpose()?;
     let context = model.config().max_position_embeddings;
     let max_seq_len = args.max_seq_len.unwrap_or(context);
     if max_seq_len > context {
@@ -154,12 +177,12 @@ fn serve_model<B: Backend>(args: &Args, model: Model<B>, starter: LoopStarter) -
     };
     match &drafter {
         Some(d) => {
-            let mut engine = Engine::new(&model, DflashProposer::new(d, &config)?, config)?;
+            let mut engine = Engine::new(model, DflashProposer::new(d, &config)?, config)?;
             engine.warm_up(args.max_batch)?;
             starter.run(&mut engine)
         }
         None => {
-            let mut engine = Engine::new(&model, NgramProposer::default(), config)?;
+            let mut engine = Engine::new(model, NgramProposer::default(), config)?;
             engine.warm_up(args.max_batch)?;
             starter.run(&mut engine)
         }

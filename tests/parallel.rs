@@ -3,8 +3,10 @@
 //! logits within rounding and the same greedy continuations; a sequence alone equals it inside a batch
 //! (prefill, decode and tree rows); the speculative engine over a split model emits the whole model's
 //! greedy tokens; layouts that do not split and bad inputs are errors, and an error leaves the group
-//! ready for the next step. With the `cuda` feature, one GPU through NCCL gives the bits
-//! of the non-parallel CUDA path, graphs on and off.
+//! ready for the next step. Pipeline stages (alone and with tensor ranks in each, steps cut into
+//! micro-batches) give the bits of one stage, hidden states included, and the engine's greedy tokens.
+//! With the `cuda` feature, one GPU through NCCL gives the bits of the non-parallel CUDA path, and
+//! pipeline stages on one GPU the bits of one stage, graphs on and off.
 
 mod common;
 
@@ -15,7 +17,7 @@ use kdtree_engine::cpu::backend::CpuBackend;
 use kdtree_engine::fixture::Fixture;
 use kdtree_engine::model::backend::Backend;
 use kdtree_engine::model::{Drafter, Logits, Model, StepRequest, TreeInput};
-use kdtree_engine::parallel::{ShardedCache, ShardedModel};
+use kdtree_engine::parallel::{Layout, ShardedCache, ShardedModel};
 use kdtree_engine::spec::{DflashProposer, Engine, EngineConfig, Mode, NgramProposer, Proposer, RequestParams, Target};
 use kdtree_engine::Error;
 
@@ -88,7 +90,7 @@ fn assert_bits_equal(got: &[f32], want: &[f32], what: &str) {
 fn one_rank_gives_the_bits_of_the_whole_model() {
     for dir in checkpoints() {
         let whole = Model::load(&dir).unwrap();
-        let split = ShardedModel::load_cpu(&dir, 1).unwrap();
+        let split = ShardedModel::load_cpu(&dir, Layout::tensor(1)).unwrap();
         for name in CASES {
             let p = prompt(&dir, name);
             assert_bits_equal(&prefill(&split, &p), &whole_prefill(&whole, &p), &format!("{} {name}", label(&dir)));
@@ -107,7 +109,7 @@ fn split_logits_agree_within_rounding() {
         let vocab = whole.config().vocab_size;
         let wants: Vec<Vec<f32>> = CASES.iter().map(|n| whole_prefill(&whole, &prompt(&dir, n))).collect();
         for world in SPLITS {
-            let split = ShardedModel::load_cpu(&dir, world).unwrap();
+            let split = ShardedModel::load_cpu(&dir, Layout::tensor(world)).unwrap();
             for (name, want) in CASES.iter().zip(&wants) {
                 let worst = worst_rel_l2(&prefill(&split, &prompt(&dir, name)), want, vocab);
                 let what = format!("{} {name}, {world} ranks", label(&dir));
@@ -131,10 +133,10 @@ fn split_logits_agree_within_rounding() {
 #[test]
 fn split_greedy_continuations_equal_the_whole_models() {
     for dir in checkpoints() {
-        let whole = ShardedModel::load_cpu(&dir, 1).unwrap();
+        let whole = ShardedModel::load_cpu(&dir, Layout::tensor(1)).unwrap();
         let wants: Vec<Vec<u32>> = CASES.iter().map(|n| greedy(&whole, &prompt(&dir, n), 32)).collect();
         for world in SPLITS {
-            let split = ShardedModel::load_cpu(&dir, world).unwrap();
+            let split = ShardedModel::load_cpu(&dir, Layout::tensor(world)).unwrap();
             for (name, want) in CASES.iter().zip(&wants) {
                 let got = greedy(&split, &prompt(&dir, name), want.len());
                 assert_eq!(&got, want, "{} {name}, {world} ranks", label(&dir));
@@ -182,7 +184,7 @@ fn a_sequence_alone_equals_it_in_a_batch_on_a_split_model() {
     for dir in checkpoints() {
         let prompts: Vec<Vec<u32>> = CASES.iter().map(|n| prompt(&dir, n)).collect();
         for world in SPLITS {
-            check_alone_equals_in_a_batch(&ShardedModel::load_cpu(&dir, world).unwrap(), &prompts);
+            check_alone_equals_in_a_batch(&ShardedModel::load_cpu(&dir, Layout::tensor(world)).unwrap(), &prompts);
         }
     }
 }
@@ -190,14 +192,20 @@ fn a_sequence_alone_equals_it_in_a_batch_on_a_split_model() {
 #[test]
 fn layouts_that_do_not_split_are_errors_naming_the_size() {
     let dir = &checkpoints()[0];
-    let err = ShardedModel::load_cpu(dir, 3).err().expect("8 heads do not split over 3 ranks");
+    let err = ShardedModel::load_cpu(dir, Layout::tensor(3)).err().expect("8 heads do not split over 3 ranks");
     assert!(matches!(err, Error::Param { name: "num_attention_heads", .. }), "{err}");
-    let err = ShardedModel::load_cpu(dir, 16).err().expect("8 heads do not split over 16 ranks");
+    let err = ShardedModel::load_cpu(dir, Layout::tensor(16)).err().expect("8 heads do not split over 16 ranks");
     assert!(matches!(err, Error::Param { name: "num_attention_heads", .. }), "{err}");
-    let err = ShardedModel::load_cpu(dir, 0).err().expect("no ranks");
-    assert!(matches!(err, Error::Param { name: "world", .. }), "{err}");
-    let err = ShardedModel::<CpuBackend>::load(dir, Vec::new()).err().expect("no ranks");
+    let err = ShardedModel::load_cpu(dir, Layout::tensor(0)).err().expect("no ranks");
+    assert!(matches!(err, Error::Param { name: "tensor", .. }), "{err}");
+    let err = ShardedModel::<CpuBackend>::load(dir, Layout::tensor(1), Vec::new()).err().expect("no ranks");
     assert!(matches!(err, Error::Param { name: "ranks", .. }), "{err}");
+    let err = ShardedModel::load_cpu(dir, Layout::pipeline(5)).err().expect("5 stages of 4 layers");
+    assert!(matches!(err, Error::Param { name: "pipeline", .. }), "{err}");
+    let err = ShardedModel::load_cpu(dir, Layout::pipeline(0)).err().expect("no stage");
+    assert!(matches!(err, Error::Param { name: "pipeline", .. }), "{err}");
+    let err = ShardedModel::load_cpu(dir, Layout { tensor: 3, pipeline: 2 }).err().expect("3 ranks a stage");
+    assert!(matches!(err, Error::Param { name: "num_attention_heads", .. }), "{err}");
 }
 
 /// A bad token and a cache of another group are errors on every rank, and the next good step gives the
@@ -205,13 +213,13 @@ fn layouts_that_do_not_split_are_errors_naming_the_size() {
 #[test]
 fn errors_leave_the_group_ready_for_the_next_step() {
     let dir = &checkpoints()[0];
-    let split = ShardedModel::load_cpu(dir, 4).unwrap();
+    let split = ShardedModel::load_cpu(dir, Layout::tensor(4)).unwrap();
     let p = prompt(dir, "hello");
     let mut cache = sharded_cache(&split);
     let seq = cache.add_sequence();
     let err = split.step(&mut cache, &[StepRequest { seq, tokens: &[4096], tree: None }], Logits::Last).unwrap_err();
     assert!(err.to_string().contains("token id 4096"), "{err}");
-    let mut other = sharded_cache(&ShardedModel::load_cpu(dir, 2).unwrap());
+    let mut other = sharded_cache(&ShardedModel::load_cpu(dir, Layout::tensor(2)).unwrap());
     let other_seq = other.add_sequence();
     let err =
         split.step(&mut other, &[StepRequest { seq: other_seq, tokens: &p, tree: None }], Logits::Last).unwrap_err();
@@ -253,7 +261,7 @@ fn the_engine_over_a_split_model_emits_the_whole_models_greedy_tokens() {
     let whole = Model::load(dir).unwrap();
     let want = generate(&whole, NgramProposer::default(), engine_config(Mode::Ar, 1, 16), &SPEC_PROMPTS);
     for world in [2, 4] {
-        let split = ShardedModel::load_cpu(dir, world).unwrap();
+        let split = ShardedModel::load_cpu(dir, Layout::tensor(world)).unwrap();
         let drafter = Drafter::load(dir.join("drafter"), &split.ranks()[0]).unwrap();
         let block = drafter.dflash().block_size;
         for (mode, budget) in [(Mode::Ar, 1), (Mode::Chain, 1), (Mode::DdTree, 16), (Mode::Auto, 16)] {
@@ -272,6 +280,161 @@ fn the_engine_over_a_split_model_emits_the_whole_models_greedy_tokens() {
     }
 }
 
+/// Every pipeline layout of each checkpoint (2 up to one stage a layer, alone and beside two tensor
+/// ranks a stage).
+fn pipeline_layouts(dir: &Path) -> Vec<Layout> {
+    let layers = Model::load(dir).unwrap().config().num_hidden_layers;
+    let mut layouts: Vec<Layout> = (2..=layers).map(Layout::pipeline).collect();
+    layouts.push(Layout { tensor: 2, pipeline: 2 });
+    layouts
+}
+
+/// The model a pipeline layout's bits are those of: its tensor split on one stage (the stages move the
+/// rows between layers and add nothing).
+fn unpipelined(dir: &Path, layout: Layout) -> ShardedModel<CpuBackend> {
+    ShardedModel::load_cpu(dir, Layout::tensor(layout.tensor)).unwrap()
+}
+
+/// Pipeline stages (and their mix with tensor ranks) give the bits of the same split on one stage:
+/// prefill logits of every case, 24-token greedy continuations, and a mixed batch (prefill, decode,
+/// tree) cut into 1, 2 and 3 micro-batches, each request's rows those of its step alone.
+#[test]
+fn pipeline_stages_give_the_bits_of_one_stage() {
+    for dir in checkpoints() {
+        let prompts: Vec<Vec<u32>> = CASES.iter().map(|n| prompt(&dir, n)).collect();
+        for layout in pipeline_layouts(&dir) {
+            let reference = unpipelined(&dir, layout);
+            let mut staged = ShardedModel::load_cpu(&dir, layout).unwrap();
+            for (name, p) in CASES.iter().zip(&prompts) {
+                let what = format!("{} {name}, {layout:?}", label(&dir));
+                assert_bits_equal(&prefill(&staged, p), &prefill(&reference, p), &what);
+                assert_eq!(greedy(&staged, p, 24), greedy(&reference, p, 24), "{what}: greedy");
+            }
+            for count in [1, 2, 3] {
+                staged.set_micro_batches(count).unwrap();
+                check_alone_equals_in_a_batch(&staged, &prompts);
+                let batch = mixed_batch_logits(&staged, &prompts);
+                assert_bits_equal(&batch, &mixed_batch_logits(&reference, &prompts), &format!("{layout:?}, {count}"));
+            }
+        }
+    }
+}
+
+/// The logits of a prefill, a decode and a tree request in one step, after their prompts.
+fn mixed_batch_logits<B: Backend>(model: &ShardedModel<B>, prompts: &[Vec<u32>]) -> Vec<f32> {
+    let mut cache = sharded_cache(model);
+    let seqs: Vec<usize> = (0..3).map(|_| cache.add_sequence()).collect();
+    let context = [
+        StepRequest { seq: seqs[1], tokens: &prompts[0], tree: None },
+        StepRequest { seq: seqs[2], tokens: &prompts[1], tree: None },
+    ];
+    model.step(&mut cache, &context, Logits::Last).unwrap();
+    let tree = TreeInput { depth: &TREE_DEPTH, visibility: &TREE_VISIBILITY };
+    let batch = [
+        StepRequest { seq: seqs[0], tokens: &prompts[2], tree: None },
+        StepRequest { seq: seqs[1], tokens: &[7], tree: None },
+        StepRequest { seq: seqs[2], tokens: &TREE_TOKENS, tree: Some(tree) },
+    ];
+    model.step(&mut cache, &batch, Logits::All).unwrap()
+}
+
+/// The hidden states a drafter reads, asked out of layer order across stages, with the logits, over a
+/// batch cut into micro-batches: the bits of the whole model's.
+#[test]
+fn pipeline_hidden_states_come_from_the_stage_that_holds_each_layer() {
+    let dir = &checkpoints()[0];
+    let prompts: Vec<Vec<u32>> = CASES.iter().map(|n| prompt(dir, n)).collect();
+    let whole = Model::load(dir).unwrap();
+    let layers = [3, 0, 2, 1];
+    let mut want_cache = whole.new_cache(64, 16, 256).unwrap();
+    let requests = |seqs: &[usize]| -> Vec<StepRequest> {
+        (0..3).map(|i| StepRequest { seq: seqs[i], tokens: &prompts[i], tree: None }).collect()
+    };
+    let seqs: Vec<usize> = (0..3).map(|_| want_cache.add_sequence()).collect();
+    let want = whole.step_hidden(&mut want_cache, &requests(&seqs), Logits::Last, &layers, true).unwrap();
+    for layout in [Layout::pipeline(2), Layout::pipeline(3), Layout { tensor: 1, pipeline: 4 }] {
+        let mut staged = ShardedModel::load_cpu(dir, layout).unwrap();
+        staged.set_micro_batches(3).unwrap();
+        let mut cache = sharded_cache(&staged);
+        let seqs: Vec<usize> = (0..3).map(|_| cache.add_sequence()).collect();
+        let got = staged.step_hidden(&mut cache, &requests(&seqs), Logits::Last, &layers, true).unwrap();
+        assert_eq!(got.argmax, want.argmax, "{layout:?}: argmax");
+        assert_bits_equal(&got.logits, &want.logits, &format!("{layout:?}: logits"));
+        assert_bits_equal(&got.hidden, &want.hidden, &format!("{layout:?}: hidden"));
+    }
+}
+
+/// The engine over pipeline stages (and tensor ranks within them) emits the whole model's greedy tokens,
+/// with prompt lookup and with the drafter (beside rank 0, the first stage), in a batch cut into
+/// micro-batches.
+#[test]
+fn the_engine_over_pipeline_stages_emits_the_whole_models_greedy_tokens() {
+    let dir = &checkpoints()[0];
+    let whole = Model::load(dir).unwrap();
+    let want = generate(&whole, NgramProposer::default(), engine_config(Mode::Ar, 1, 16), &SPEC_PROMPTS);
+    for layout in [Layout::pipeline(2), Layout { tensor: 2, pipeline: 2 }] {
+        let staged = ShardedModel::load_cpu(dir, layout).unwrap();
+        let drafter = Drafter::load(dir.join("drafter"), &staged.ranks()[0]).unwrap();
+        let block = drafter.dflash().block_size;
+        for (mode, budget) in [(Mode::Ar, 1), (Mode::Chain, 1), (Mode::DdTree, 16), (Mode::Auto, 16)] {
+            let what = format!("{layout:?}, {mode:?} B {budget}");
+            let cfg = engine_config(mode, budget, 16);
+            assert_eq!(generate(&staged, NgramProposer::default(), cfg, &SPEC_PROMPTS), want, "{what}");
+            let cfg = engine_config(mode, budget, block);
+            let drafted = generate(&staged, DflashProposer::new(&drafter, &cfg).unwrap(), cfg, &SPEC_PROMPTS);
+            assert_eq!(drafted, want, "{what}, drafter");
+        }
+    }
+}
+
+/// A stage stepped on its own, a micro-batch count of 0 and a bad token are errors; the next good step
+/// gives the bits of a model that never saw them.
+#[test]
+fn pipeline_errors_name_the_problem_and_leave_the_stages_ready() {
+    let dir = &checkpoints()[0];
+    let mut staged = ShardedModel::load_cpu(dir, Layout::pipeline(2)).unwrap();
+    let err = staged.set_micro_batches(0).unwrap_err();
+    assert!(matches!(err, Error::Param { name: "micro_batches", .. }), "{err}");
+    let p = prompt(dir, "hello");
+    let stage = &staged.ranks()[1];
+    let mut own = stage.new_cache(64, 16, 256).unwrap();
+    let seq = own.add_sequence();
+    let err = stage.step(&mut own, &[StepRequest { seq, tokens: &p, tree: None }], Logits::Last).unwrap_err();
+    assert!(matches!(err, Error::Param { name: "model", .. }), "{err}");
+    let mut cache = sharded_cache(&staged);
+    let seq = cache.add_sequence();
+    let bad = [StepRequest { seq, tokens: &[4096], tree: None }];
+    let err = staged.step(&mut cache, &bad, Logits::Last).unwrap_err();
+    assert!(err.to_string().contains("token id 4096"), "{err}");
+    let err = staged.step_hidden(&mut cache, &[StepRequest { seq, tokens: &p, tree: None }], Logits::Last, &[9], false);
+    assert!(matches!(err, Err(Error::Param { name: "hidden layers", .. })), "{err:?}");
+    let got = staged.step(&mut cache, &[StepRequest { seq, tokens: &p, tree: None }], Logits::All).unwrap();
+    assert_bits_equal(&got, &prefill(&staged, &p), "the step after the errors");
+}
+
+/// Random pipeline stages (for measuring at real dimensions) step a batch to one token a request, and a
+/// tensor split or a backend count that does not match the layout is an error naming it.
+#[test]
+fn random_pipeline_stages_step_and_name_bad_layouts() {
+    let config = kdtree_engine::model::config::Config::from_file(checkpoints()[0].join("config.json")).unwrap();
+    let staged = ShardedModel::random(config.clone(), Layout::pipeline(2), vec![CpuBackend, CpuBackend], 7).unwrap();
+    let mut cache = sharded_cache(&staged);
+    let seqs = [cache.add_sequence(), cache.add_sequence()];
+    let requests = [
+        StepRequest { seq: seqs[0], tokens: &[1, 2, 3], tree: None },
+        StepRequest { seq: seqs[1], tokens: &[4], tree: None },
+    ];
+    let ids = staged.step_argmax(&mut cache, &requests, Logits::Last).unwrap();
+    assert_eq!(ids.len(), 2);
+    assert!(ids.iter().all(|&t| (t as usize) < config.vocab_size), "{ids:?}");
+    assert_eq!(cache.len(seqs[0]).unwrap(), 3);
+    let layout = Layout { tensor: 2, pipeline: 1 };
+    let err = ShardedModel::random(config.clone(), layout, vec![CpuBackend; 2], 7).err().expect("a tensor split");
+    assert!(matches!(err, Error::Param { name: "tensor", .. }), "{err}");
+    let err = ShardedModel::random(config, Layout::pipeline(2), vec![CpuBackend], 7).err().expect("one backend");
+    assert!(matches!(err, Error::Param { name: "backends", .. }), "{err}");
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
@@ -288,7 +451,7 @@ mod cuda {
         }
         for dir in checkpoints() {
             let whole = Model::load_on(&dir, CudaBackend::new(Gpu::new(0).unwrap()).unwrap()).unwrap();
-            let split = ShardedModel::load_cuda(&dir, &[0]).expect("one GPU through NCCL");
+            let split = ShardedModel::load_cuda(&dir, Layout::tensor(1), &[0]).expect("one GPU through NCCL");
             for graphs in [false, true] {
                 whole.set_graphs(graphs);
                 split.set_graphs(graphs);
@@ -309,9 +472,45 @@ mod cuda {
             }
             assert!(split.ranks()[0].recorded_graphs() > 0, "graph replay was never taken");
         }
-        let err = ShardedModel::load_cuda(&checkpoints()[0], &[0, 0]).err().expect("one GPU named twice");
+        let dir = &checkpoints()[0];
+        let err = ShardedModel::load_cuda(dir, Layout::tensor(2), &[0, 0]).err().expect("a GPU twice in a stage");
+        assert!(matches!(err, Error::Param { name: "ordinals", .. }) && err.to_string().contains("twice"), "{err}");
+        let err = ShardedModel::load_cuda(dir, Layout::tensor(1), &[]).err().expect("no GPU");
         assert!(matches!(err, Error::Param { name: "ordinals", .. }), "{err}");
-        let err = ShardedModel::load_cuda(&checkpoints()[0], &[]).err().expect("no GPU");
-        assert!(matches!(err, Error::Param { name: "backends", .. }), "{err}");
+        let err = ShardedModel::load_cuda(dir, Layout::tensor(0), &[]).err().expect("no rank a stage");
+        assert!(matches!(err, Error::Param { name: "tensor", .. }), "{err}");
+    }
+
+    /// Pipeline stages on one GPU (2 stages of each checkpoint, and 4 of the 4-layer one; their rows
+    /// pass through the host) against one stage through the same path: prefill logits, 32-token greedy
+    /// continuations, and a mixed batch cut into 2 micro-batches, bit for bit, graph replay off and on.
+    #[test]
+    fn cuda_pipeline_stages_on_one_gpu_give_the_bits_of_one_stage() {
+        if common::gpu().is_none() {
+            return;
+        }
+        for dir in checkpoints() {
+            let prompts: Vec<Vec<u32>> = CASES.iter().map(|n| prompt(&dir, n)).collect();
+            let reference = ShardedModel::load_cuda(&dir, Layout::tensor(1), &[0]).unwrap();
+            let layers = reference.config().num_hidden_layers;
+            for stages in [2, 4].into_iter().filter(|&s| s <= layers) {
+                let mut staged = ShardedModel::load_cuda(&dir, Layout::pipeline(stages), &vec![0; stages]).unwrap();
+                staged.set_micro_batches(2).unwrap();
+                for graphs in [false, true] {
+                    reference.set_graphs(graphs);
+                    staged.set_graphs(graphs);
+                    for (name, p) in CASES.iter().zip(&prompts) {
+                        let what = format!("{} {name}, {stages} stages, graphs {graphs}", label(&dir));
+                        assert_bits_equal(&prefill(&staged, p), &prefill(&reference, p), &what);
+                        assert_eq!(greedy(&staged, p, 32), greedy(&reference, p, 32), "{what}: greedy");
+                    }
+                    let what = format!("{} mixed batch, {stages} stages, graphs {graphs}", label(&dir));
+                    let batch = mixed_batch_logits(&staged, &prompts);
+                    assert_bits_equal(&batch, &mixed_batch_logits(&reference, &prompts), &what);
+                    check_alone_equals_in_a_batch(&staged, &prompts);
+                }
+                assert!(staged.ranks().iter().all(|m| m.recorded_graphs() > 0), "graph replay was never taken");
+            }
+        }
     }
 }

@@ -10,6 +10,7 @@
 //! decoding and a token's results do not depend on what else is in the batch.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -26,6 +27,7 @@ use crate::model::config::Config;
 use crate::model::layers::{self, MlaWeights, QueryProj};
 use crate::model::rope::Rope;
 use crate::model::weights::Checkpoint;
+use crate::parallel::pipeline::StageLinks;
 use crate::parallel::{Collective, Shard};
 use crate::types::KvLayout;
 
@@ -253,6 +255,9 @@ pub struct Model<B: Backend = CpuBackend> {
     heads: usize,
     /// The group whose sum completes each split block; `None` for a whole model.
     group: Option<Arc<dyn Collective<B>>>,
+    /// The layers `layers` holds (all of them unless the model is a pipeline stage) and the stages it
+    /// takes its rows from and hands them to.
+    stage: StageLinks,
     scratch: Mutex<Option<Scratch<B>>>,
     graphs: Mutex<Graphs<B>>,
     /// Shared with a drafter: its work queues behind the target's on the same stream.
@@ -468,7 +473,8 @@ impl<B: Backend> Model<B> {
 
     /// Builds the model from a checked config and an open checkpoint, placing every weight on `backend`.
     pub fn from_checkpoint(config: Config, ckpt: &Checkpoint, backend: B) -> Result<Self> {
-        Self::from_checkpoint_in(config, ckpt, backend, None)
+        let stage = StageLinks::whole(config.num_hidden_layers);
+        Self::from_checkpoint_in(config, ckpt, backend, None, stage)
     }
 
     /// Like [`Model::from_checkpoint`], but placing only the share of `group`'s rank (see
@@ -480,7 +486,20 @@ impl<B: Backend> Model<B> {
         backend: B,
         group: Arc<dyn Collective<B>>,
     ) -> Result<Self> {
-        Self::from_checkpoint_in(config, ckpt, backend, Some(group))
+        let stage = StageLinks::whole(config.num_hidden_layers);
+        Self::from_checkpoint_in(config, ckpt, backend, Some(group), stage)
+    }
+
+    /// Like [`Model::from_checkpoint_sharded`], but placing only the layers of `stage`, a pipeline stage
+    /// that takes its rows from the stage before and hands them to the stage after.
+    pub(crate) fn from_checkpoint_stage(
+        config: Config,
+        ckpt: &Checkpoint,
+        backend: B,
+        group: Arc<dyn Collective<B>>,
+        stage: StageLinks,
+    ) -> Result<Self> {
+        Self::from_checkpoint_in(config, ckpt, backend, Some(group), stage)
     }
 
     fn from_checkpoint_in(
@@ -488,13 +507,14 @@ impl<B: Backend> Model<B> {
         ckpt: &Checkpoint,
         backend: B,
         group: Option<Arc<dyn Collective<B>>>,
+        stage: StageLinks,
     ) -> Result<Self> {
         let c = &config;
         check_mla_dims(c)?;
         let shard = group.as_ref().map_or(Shard::WHOLE, |g| g.shard());
         check_split(c, shard)?;
         let bar = if ckpt.size_bytes() >= PROGRESS_BYTES {
-            let bar = ProgressBar::new(c.num_hidden_layers as u64);
+            let bar = ProgressBar::new(stage.layers.len() as u64);
             if let Ok(style) = ProgressStyle::with_template("loading layers {bar:40} {pos}/{len} {elapsed}") {
                 bar.set_style(style);
             }
@@ -502,8 +522,8 @@ impl<B: Backend> Model<B> {
         } else {
             ProgressBar::hidden()
         };
-        let mut layers = Vec::with_capacity(c.num_hidden_layers);
-        for i in 0..c.num_hidden_layers {
+        let mut layers = Vec::with_capacity(stage.layers.len());
+        for i in stage.layers.clone() {
             layers.push(load_layer(&backend, ckpt, c, &format!("model.layers.{i}"), i, shard)?);
             bar.inc(1);
         }
@@ -516,10 +536,12 @@ impl<B: Backend> Model<B> {
             backend.linear(&ckpt.bf16("lm_head.weight", &[v, h])?, 1, v, h)?
         };
         let norm = layers::RmsNorm::load(ckpt, "model.norm.weight", h, c.rms_norm_eps)?;
-        check_all_read(ckpt, c)?;
+        check_all_read(ckpt, c, &stage.layers)?;
         let embed = Arc::new(backend.upload(&embed)?);
         let norm = Norm::place(&backend, &norm)?;
-        Model::from_parts(config, embed, layers, norm, Arc::new(lm_head), Arc::new(backend), group)
+        let mut model = Model::from_parts(config, embed, layers, norm, Arc::new(lm_head), Arc::new(backend), group)?;
+        model.stage = stage;
+        Ok(model)
     }
 
     /// A model of `config`'s shape with random weights made on `backend` (no checkpoint): every norm
@@ -527,6 +549,12 @@ impl<B: Backend> Model<B> {
     /// the routed experts from [`Backend::random_experts`]. For measuring the step at real dimensions; its
     /// outputs mean nothing.
     pub fn random(config: Config, backend: B, seed: u64) -> Result<Self> {
+        let stage = StageLinks::whole(config.num_hidden_layers);
+        Self::random_stage(config, backend, seed, stage)
+    }
+
+    /// Like [`Model::random`], but only the layers of `stage`, a pipeline stage of one rank.
+    pub(crate) fn random_stage(config: Config, backend: B, seed: u64, stage: StageLinks) -> Result<Self> {
         let c = &config;
         check_mla_dims(c)?;
         let b = &backend;
@@ -543,8 +571,8 @@ impl<B: Backend> Model<B> {
         let dense = |out: usize, inp: usize| -> Result<Dense<B>> {
             Ok(Dense { w: b.random_linear(1, out, inp, seed())?, out })
         };
-        let mut layers = Vec::with_capacity(c.num_hidden_layers);
-        for i in 0..c.num_hidden_layers {
+        let mut layers = Vec::with_capacity(stage.layers.len());
+        for i in stage.layers.clone() {
             let q_dim = heads * (nope + ROPE);
             let q = match c.q_lora_rank {
                 None => Query::Full(dense(q_dim, h)?),
@@ -582,7 +610,9 @@ impl<B: Backend> Model<B> {
         let embed = Arc::new(b.random_table(c.vocab_size, h, seed())?);
         let lm_head = Arc::new(b.random_linear(1, c.vocab_size, h, seed())?);
         let norm = ones(h, c.rms_norm_eps)?;
-        Model::from_parts(config, embed, layers, norm, lm_head, Arc::new(backend), None)
+        let mut model = Model::from_parts(config, embed, layers, norm, lm_head, Arc::new(backend), None)?;
+        model.stage = stage;
+        Ok(model)
     }
 
     /// The model of `config` from weights already on `backend`: the share of `group`'s rank, or whole.
@@ -599,6 +629,7 @@ impl<B: Backend> Model<B> {
         Ok(Model {
             heads: config.num_attention_heads / world,
             group,
+            stage: StageLinks::whole(layers.len()),
             embed,
             layers,
             norm,
@@ -639,7 +670,7 @@ impl<B: Backend> Model<B> {
     /// A KV cache for this model on its backend: `num_pages` pages of `page_size` slots per layer, at most
     /// `max_seq_len` slots per sequence.
     pub fn new_cache(&self, num_pages: usize, page_size: usize, max_seq_len: usize) -> Result<KvCache<B>> {
-        KvCache::new(&*self.backend, self.config.num_hidden_layers, num_pages, page_size, max_seq_len)
+        KvCache::new(&*self.backend, self.layers.len(), num_pages, page_size, max_seq_len)
     }
 
     /// Runs `batch` (sequence id in `cache`, its new tokens) one step: appends the tokens' latent rows to
@@ -653,18 +684,41 @@ impl<B: Backend> Model<B> {
     /// logits: with [`Logits::Last`] the last row of each prefill or decode request and every row of each
     /// tree, with [`Logits::All`] every row, in request order.
     pub fn step(&self, cache: &mut KvCache<B>, requests: &[StepRequest], which: Logits) -> Result<Vec<f32>> {
+        self.check_not_staged()?;
+        self.stage_step(cache, requests, which)
+    }
+
+    /// [`Model::step`] of a pipeline stage: empty unless the stage is the last.
+    pub(crate) fn stage_step(
+        &self,
+        cache: &mut KvCache<B>,
+        requests: &[StepRequest],
+        which: Logits,
+    ) -> Result<Vec<f32>> {
         let vocab = self.config.vocab_size;
-        self.run_step(cache, requests, which, Wanted::LOGITS, &mut Laps::off(&*self.backend), |b, s, rows| {
-            b.read(&s.logits, rows * vocab)
+        self.run_step(cache, requests, which, Wanted::LOGITS, &mut Laps::off(&*self.backend), |b, s, rows, last| {
+            read_if_last(b, &s.logits, rows * vocab, last)
         })
     }
 
     /// Like [`Model::step`], but returns only the argmax token of each chosen row, computed where the
     /// backend lives.
     pub fn step_argmax(&self, cache: &mut KvCache<B>, requests: &[StepRequest], which: Logits) -> Result<Vec<u32>> {
+        self.check_not_staged()?;
+        self.stage_step_argmax(cache, requests, which)
+    }
+
+    /// [`Model::step_argmax`] of a pipeline stage: empty unless the stage is the last.
+    pub(crate) fn stage_step_argmax(
+        &self,
+        cache: &mut KvCache<B>,
+        requests: &[StepRequest],
+        which: Logits,
+    ) -> Result<Vec<u32>> {
         let mut laps = Laps::off(&*self.backend);
-        let ids =
-            self.run_step(cache, requests, which, Wanted::ARGMAX, &mut laps, |b, s, rows| b.read(&s.argmax, rows))?;
+        let ids = self.run_step(cache, requests, which, Wanted::ARGMAX, &mut laps, |b, s, rows, last| {
+            read_if_last(b, &s.argmax, rows, last)
+        })?;
         Ok(ids.into_iter().map(|t| t as u32).collect())
     }
 
@@ -681,8 +735,9 @@ impl<B: Backend> Model<B> {
         if k == 0 || k > vocab {
             return Err(Error::param("k", k, format!("must be in 1..={vocab} (the vocabulary)")));
         }
+        self.check_not_staged()?;
         let wanted = Wanted { argmax: false, topk: Some(k), hidden: &[] };
-        self.run_step(cache, requests, which, wanted, &mut Laps::off(&*self.backend), |b, s, rows| {
+        self.run_step(cache, requests, which, wanted, &mut Laps::off(&*self.backend), |b, s, rows, _| {
             Ok(StepTopK { k, ids: b.read(&s.top_ids, rows * k)?, logp: b.read(&s.top_logp, rows * k)? })
         })
     }
@@ -698,21 +753,58 @@ impl<B: Backend> Model<B> {
         layers: &[usize],
         logits: bool,
     ) -> Result<HiddenStep> {
+        self.check_not_staged()?;
+        self.stage_step_hidden(cache, requests, which, layers, logits)
+    }
+
+    /// [`Model::step_hidden`] of a pipeline stage: the hidden states of the layers asked for that the
+    /// stage holds, in the order asked, and argmax and logits only from the last stage.
+    pub(crate) fn stage_step_hidden(
+        &self,
+        cache: &mut KvCache<B>,
+        requests: &[StepRequest],
+        which: Logits,
+        layers: &[usize],
+        logits: bool,
+    ) -> Result<HiddenStep> {
         let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
         let tokens: usize = requests.iter().map(|r| r.tokens.len()).sum();
+        let held = self.held_layers(layers).len();
         let mut laps = Laps::off(&*self.backend);
         let wanted = Wanted { argmax: true, topk: None, hidden: layers };
-        self.run_step(cache, requests, which, wanted, &mut laps, |b, s, rows| {
-            let mut hidden = Vec::with_capacity(layers.len() * tokens * h);
-            for buf in &s.hidden[..layers.len()] {
+        self.run_step(cache, requests, which, wanted, &mut laps, |b, s, rows, last| {
+            let mut hidden = Vec::with_capacity(held * tokens * h);
+            for buf in &s.hidden[..held] {
                 hidden.extend(b.read(buf, tokens * h)?);
             }
             Ok(HiddenStep {
-                argmax: b.read(&s.argmax, rows)?.into_iter().map(|t| t as u32).collect(),
-                logits: if logits { b.read(&s.logits, rows * vocab)? } else { Vec::new() },
+                argmax: if last {
+                    b.read(&s.argmax, rows)?.into_iter().map(|t| t as u32).collect()
+                } else {
+                    Vec::new()
+                },
+                logits: if last && logits { b.read(&s.logits, rows * vocab)? } else { Vec::new() },
                 hidden,
             })
         })
+    }
+
+    /// The layers of `layers` this model holds, in the order given.
+    fn held_layers(&self, layers: &[usize]) -> Vec<usize> {
+        layers.iter().copied().filter(|l| self.stage.layers.contains(l)).collect()
+    }
+
+    /// An error for a pipeline stage stepped on its own: it would wait for the stage before it forever,
+    /// or compute no logits.
+    fn check_not_staged(&self) -> Result<()> {
+        if self.stage.from_previous.is_some() || self.stage.to_next.is_some() {
+            return Err(Error::param(
+                "model",
+                format!("layers {:?}", self.stage.layers),
+                "a pipeline stage steps only with the others, through ShardedModel",
+            ));
+        }
+        Ok(())
     }
 
     /// Runs one step like [`Model::step_argmax`], op by op (never from a recorded graph), and returns the
@@ -730,7 +822,8 @@ impl<B: Backend> Model<B> {
             layer: None,
             marks: vec![(None, Stage::Elementwise, self.backend.mark()?)],
         };
-        self.run_step(cache, requests, which, Wanted::ARGMAX, &mut laps, |_, _, _| Ok(()))?;
+        self.check_not_staged()?;
+        self.run_step(cache, requests, which, Wanted::ARGMAX, &mut laps, |_, _, _, _| Ok(()))?;
         let b = &*self.backend;
         laps.marks
             .windows(2)
@@ -813,19 +906,21 @@ impl<B: Backend> Model<B> {
         which: Logits,
         wanted: Wanted,
         laps: &mut Laps<B>,
-        finish: impl FnOnce(&B, &Scratch<B>, usize) -> Result<T>,
+        finish: impl FnOnce(&B, &Scratch<B>, usize, bool) -> Result<T>,
     ) -> Result<T> {
-        let Wanted { argmax, topk, hidden } = wanted;
         let layers = self.config.num_hidden_layers;
-        for (i, &l) in hidden.iter().enumerate() {
-            if l >= layers || hidden[..i].contains(&l) {
+        for (i, &l) in wanted.hidden.iter().enumerate() {
+            if l >= layers || wanted.hidden[..i].contains(&l) {
                 return Err(Error::param(
                     "hidden layers",
-                    format!("{hidden:?}"),
+                    format!("{:?}", wanted.hidden),
                     format!("distinct layers in 0..{layers}"),
                 ));
             }
         }
+        let held = self.held_layers(wanted.hidden);
+        let wanted = Wanted { hidden: &held, ..wanted };
+        let Wanted { argmax, topk, hidden } = wanted;
         let inputs = self.plan_step(cache, requests, which)?;
         let b = &*self.backend;
         let (tokens, picked) = (inputs.ids.len(), inputs.pick.len());
@@ -847,6 +942,15 @@ impl<B: Backend> Model<B> {
             s.top_logp = b.zeros(s.picked * k)?;
         }
         self.upload_inputs(s, &inputs)?;
+        if let Some(previous) = &self.stage.from_previous {
+            let rows = previous.receive()?;
+            check_len(
+                "rows from the previous stage",
+                rows.len(),
+                &[("tokens", tokens), ("hidden", self.config.hidden_size)],
+            )?;
+            b.write(&rows, &mut s.x)?;
+        }
         let graphable = requests.iter().all(|r| r.tree.is_some() || r.tokens.len() == 1);
         let hidden_mask = hidden.iter().try_fold(0u64, |m, &l| (l < 64).then(|| m | 1 << l));
         let key = (graphs.enabled && graphable && !laps.on && hidden_mask.is_some()).then(|| GraphKey {
@@ -879,8 +983,11 @@ impl<B: Backend> Model<B> {
             }
         }
         cache.advance(requests);
+        if let Some(next) = &self.stage.to_next {
+            next.send(b.read(&s.x, tokens * self.config.hidden_size)?)?;
+        }
         b.fetch_status()?;
-        let result = finish(b, s, picked)?;
+        let result = finish(b, s, picked, self.stage.is_last())?;
         b.check()?;
         Ok(result)
     }
@@ -899,13 +1006,16 @@ impl<B: Backend> Model<B> {
         let b = &*self.backend;
         let (tokens, picked) = (inputs.ids.len(), inputs.pick.len());
         let h = self.config.hidden_size;
-        b.embed(&self.embed, h, &s.ids, tokens, &mut s.x)?;
-        laps.lap(Stage::Elementwise)?;
-        for (l, layer) in self.layers.iter().enumerate() {
+        if self.stage.from_previous.is_none() {
+            b.embed(&self.embed, h, &s.ids, tokens, &mut s.x)?;
+            laps.lap(Stage::Elementwise)?;
+        }
+        for (local, layer) in self.layers.iter().enumerate() {
+            let l = self.stage.layers.start + local;
             laps.layer = Some(l);
             layer.input_norm.run(b, &s.x, tokens, &mut s.normed)?;
             laps.lap(Stage::Elementwise)?;
-            self.attention(layer, &mut cache.storage[l], cache.layout, inputs, s, laps)?;
+            self.attention(layer, &mut cache.storage[local], cache.layout, inputs, s, laps)?;
             self.sum_over_ranks(&mut s.out, tokens * h, laps)?;
             b.add(&mut s.x, &s.out, tokens * h)?;
             layer.post_attn_norm.run(b, &s.x, tokens, &mut s.normed)?;
@@ -919,6 +1029,9 @@ impl<B: Backend> Model<B> {
             laps.lap(Stage::Elementwise)?;
         }
         laps.layer = None;
+        if !self.stage.is_last() {
+            return Ok(());
+        }
         b.gather(&s.x, h, tokens, &s.pick, picked, &mut s.last)?;
         self.norm.run(b, &s.last, picked, &mut s.last_normed)?;
         laps.lap(Stage::Elementwise)?;
@@ -932,14 +1045,28 @@ impl<B: Backend> Model<B> {
         laps.lap(Stage::LmHead)
     }
 
-    /// Checks the requests, reserves their cache pages (an error here leaves every cache row as it was)
-    /// and lays out the step's inputs.
-    fn plan_step(&self, cache: &mut KvCache<B>, requests: &[StepRequest], which: Logits) -> Result<StepInputs> {
+    /// Checks a step's requests against the model and `cache` and reserves their cache pages; an error
+    /// leaves every cache row as it was.
+    pub(crate) fn check_step(&self, cache: &mut KvCache<B>, requests: &[StepRequest]) -> Result<()> {
+        if cache.storage.len() != self.layers.len() {
+            return Err(Error::param(
+                "cache",
+                format!("{} layers", cache.storage.len()),
+                format!("this model holds {} layers: a cache from its own new_cache", self.layers.len()),
+            ));
+        }
         check_requests(requests, self.config.vocab_size)?;
         for r in requests {
             let start = cache.len(r.seq)?;
             cache.reserve(r.seq, start + r.tokens.len())?;
         }
+        Ok(())
+    }
+
+    /// Checks the requests, reserves their cache pages (an error here leaves every cache row as it was)
+    /// and lays out the step's inputs.
+    fn plan_step(&self, cache: &mut KvCache<B>, requests: &[StepRequest], which: Logits) -> Result<StepInputs> {
+        self.check_step(cache, requests)?;
         let mut x = StepInputs {
             ids: Vec::new(),
             positions: Vec::new(),
@@ -1160,13 +1287,15 @@ impl<B: Backend> Model<B> {
     }
 }
 
-/// Every tensor of the checkpoint was read, except those of its multi-token-prediction layers; else an
-/// error naming the unused ones (and saying so when they belong to layers past `num_hidden_layers`).
-fn check_all_read(ckpt: &Checkpoint, c: &Config) -> Result<()> {
+/// Every tensor of the checkpoint was read, except those of its multi-token-prediction layers and of the
+/// layers outside `held` (another pipeline stage's); else an error naming the unused ones (and saying so
+/// when they belong to layers past `num_hidden_layers`).
+fn check_all_read(ckpt: &Checkpoint, c: &Config, held: &Range<usize>) -> Result<()> {
     let layer_of = |name: &str| name.strip_prefix("model.layers.")?.split('.').next()?.parse::<usize>().ok();
     let mtp = c.num_hidden_layers..c.num_hidden_layers + c.num_nextn_predict_layers;
-    let unused: Vec<String> =
-        ckpt.unread().into_iter().filter(|n| !layer_of(n).is_some_and(|l| mtp.contains(&l))).collect();
+    // Another stage's layers are that stage's to read.
+    let skipped = |l: usize| mtp.contains(&l) || (l < c.num_hidden_layers && !held.contains(&l));
+    let unused: Vec<String> = ckpt.unread().into_iter().filter(|n| !layer_of(n).is_some_and(skipped)).collect();
     if unused.is_empty() {
         return Ok(());
     }
@@ -1181,6 +1310,20 @@ fn check_all_read(ckpt: &Checkpoint, c: &Config) -> Result<()> {
         path: ckpt.dir().to_path_buf(),
         detail: format!("{} tensors the config does not use: {}{more}{layers}", unused.len(), shown.join(", ")),
     })
+}
+
+/// `buf[..len]` on the last pipeline stage (the only one whose outputs are the model's), else nothing.
+fn read_if_last<B: Backend, T: crate::model::backend::Elem>(
+    b: &B,
+    buf: &B::Buf<T>,
+    len: usize,
+    last: bool,
+) -> Result<Vec<T>> {
+    if last {
+        b.read(buf, len)
+    } else {
+        Ok(Vec::new())
+    }
 }
 
 /// The latent and rotary widths the MLA kernels are built for.

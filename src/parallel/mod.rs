@@ -11,18 +11,24 @@
 //! split products (each rank's partial sum, then the ranks), so logits agree within rounding, not bit
 //! for bit; with one rank the path is the single-device one, bit for bit.
 //!
+//! Pipeline parallelism ([`pipeline`]) splits the layers into stages on top of that: a [`Layout`] of
+//! `tensor × pipeline` ranks, each stage a tensor-parallel group of its own, a step's requests cut into
+//! micro-batches that flow through the stages one after another.
+//!
 //! [`Collective`] is the sum, per backend: [`ThreadGroup`] for CPU ranks in threads of one process,
 //! and, with the `cuda` feature, [`nccl::NcclGroup`] for GPUs through NCCL (loaded at run time, like the
 //! driver). [`ShardedModel`] holds one [`Model`] per rank and runs a step on all of them at once.
 
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod pipeline;
 mod thread_group;
 
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use pipeline::Layout;
 pub use thread_group::ThreadGroup;
 
 use crate::cpu::backend::CpuBackend;
@@ -31,6 +37,7 @@ use crate::model::backend::Backend;
 use crate::model::config::Config;
 use crate::model::weights::Checkpoint;
 use crate::model::{HiddenStep, KvCache, Logits, Model, StepRequest, TreeCommit};
+use pipeline::{micro_batches, Mailbox, StageLinks};
 
 /// One rank's place in a group of `world` ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,9 +99,13 @@ fn is_abort(e: &Error) -> bool {
     matches!(e, Error::Param { name: "collective", value, .. } if value == "aborted")
 }
 
-/// A model split over the ranks of a group, one [`Model`] per rank, each on its own backend.
+/// A model split over ranks by a [`Layout`], one [`Model`] per rank, each on its own backend.
 pub struct ShardedModel<B: Backend> {
     ranks: Vec<Model<B>>,
+    layout: Layout,
+    /// Stage `s`'s tensor rank `t` hands its rows to stage `s + 1`'s through entry `s * tensor + t`.
+    mailboxes: Vec<Arc<Mailbox>>,
+    micro_batches: usize,
 }
 
 /// The KV caches of a [`ShardedModel`]: every rank holds the whole latent cache (every head reads every
@@ -104,61 +115,133 @@ pub struct ShardedCache<B: Backend> {
 }
 
 impl ShardedModel<CpuBackend> {
-    /// Loads a checkpoint directory split over `world` CPU ranks in threads of this process.
-    pub fn load_cpu(dir: impl AsRef<Path>, world: usize) -> Result<Self> {
-        let groups = ThreadGroup::new(world)?;
-        let ranks = groups.into_iter().map(|g| (CpuBackend, Arc::new(g) as Arc<dyn Collective<CpuBackend>>));
-        Self::load(dir, ranks.collect())
+    /// Loads a checkpoint directory split by `layout` over CPU ranks in threads of this process.
+    pub fn load_cpu(dir: impl AsRef<Path>, layout: Layout) -> Result<Self> {
+        layout.check_ranks()?;
+        let mut ranks = Vec::with_capacity(layout.ranks());
+        for _ in 0..layout.pipeline {
+            let groups = ThreadGroup::new(layout.tensor)?;
+            ranks.extend(groups.into_iter().map(|g| (CpuBackend, Arc::new(g) as Arc<dyn Collective<CpuBackend>>)));
+        }
+        Self::load(dir, layout, ranks)
     }
 }
 
 #[cfg(feature = "cuda")]
 impl ShardedModel<crate::cuda::backend::CudaBackend> {
-    /// Loads a checkpoint directory split over the GPUs `ordinals` (rank order), summing through NCCL.
-    pub fn load_cuda(dir: impl AsRef<Path>, ordinals: &[usize]) -> Result<Self> {
+    /// Loads a checkpoint directory split by `layout` over the GPUs `ordinals` (rank order: stage by
+    /// stage), each stage's ranks summing through NCCL. A GPU may serve several stages (their rows pass
+    /// through the host), but only one rank of a stage.
+    pub fn load_cuda(dir: impl AsRef<Path>, layout: Layout, ordinals: &[usize]) -> Result<Self> {
         use crate::cuda::backend::CudaBackend;
-        if let Some(i) = (1..ordinals.len()).find(|&i| ordinals[..i].contains(&ordinals[i])) {
+        layout.check_ranks()?;
+        if ordinals.len() != layout.ranks() {
             return Err(Error::param(
                 "ordinals",
                 format!("{ordinals:?}"),
-                format!("GPU {} is named twice: one rank a GPU", ordinals[i]),
+                format!("the layout {layout:?} needs {} GPUs, one a rank", layout.ranks()),
             ));
         }
-        let backends: Vec<CudaBackend> =
-            ordinals.iter().map(|&o| CudaBackend::new(crate::cuda::Gpu::new(o)?)).collect::<Result<_>>()?;
-        let groups = nccl::NcclGroup::new(&backends)?;
-        let ranks = backends.into_iter().zip(groups).map(|(b, g)| (b, Arc::new(g) as Arc<dyn Collective<CudaBackend>>));
-        Self::load(dir, ranks.collect())
+        let mut ranks = Vec::with_capacity(ordinals.len());
+        for stage in ordinals.chunks(layout.tensor) {
+            if let Some(i) = (1..stage.len()).find(|&i| stage[..i].contains(&stage[i])) {
+                return Err(Error::param(
+                    "ordinals",
+                    format!("{ordinals:?}"),
+                    format!("GPU {} is named twice in one stage: one rank of a stage a GPU", stage[i]),
+                ));
+            }
+            let backends: Vec<CudaBackend> =
+                stage.iter().map(|&o| CudaBackend::new(crate::cuda::Gpu::new(o)?)).collect::<Result<_>>()?;
+            let groups = nccl::NcclGroup::new(&backends)?;
+            ranks.extend(
+                backends.into_iter().zip(groups).map(|(b, g)| (b, Arc::new(g) as Arc<dyn Collective<CudaBackend>>)),
+            );
+        }
+        Self::load(dir, layout, ranks)
     }
 }
 
 impl<B: Backend> ShardedModel<B> {
-    /// Loads a checkpoint directory split over `ranks` (a backend and its place in the group, every rank
-    /// of one group, in rank order).
-    pub fn load(dir: impl AsRef<Path>, ranks: Vec<(B, Arc<dyn Collective<B>>)>) -> Result<Self> {
+    /// Loads a checkpoint directory split by `layout` over `ranks` (a backend and its stage's
+    /// tensor-parallel group, stage by stage, in rank order).
+    pub fn load(dir: impl AsRef<Path>, layout: Layout, ranks: Vec<(B, Arc<dyn Collective<B>>)>) -> Result<Self> {
         let dir = dir.as_ref();
         let config = Config::from_file(dir.join("config.json"))?;
-        let world = ranks.len();
-        if world == 0 {
-            return Err(Error::param("ranks", 0, "a split model needs at least one rank"));
+        layout.check(config.num_hidden_layers)?;
+        if ranks.len() != layout.ranks() {
+            return Err(Error::param(
+                "ranks",
+                ranks.len(),
+                format!("the layout {layout:?} needs {} ranks", layout.ranks()),
+            ));
         }
-        let mut models = Vec::with_capacity(world);
-        for (rank, (backend, group)) in ranks.into_iter().enumerate() {
-            if group.shard() != (Shard { rank, world }) {
+        let tensor = layout.tensor;
+        let (links, mailboxes) = stage_links(layout, config.num_hidden_layers);
+        let mut models = Vec::with_capacity(ranks.len());
+        for (rank, ((backend, group), links)) in ranks.into_iter().zip(links).enumerate() {
+            let (stage, t) = (rank / tensor, rank % tensor);
+            if group.shard() != (Shard { rank: t, world: tensor }) {
                 return Err(Error::param(
                     "ranks",
                     format!("{:?}", group.shard()),
-                    format!("entry {rank} must be rank {rank} of a group of {world}"),
+                    format!("entry {rank} must be rank {t} of a group of {tensor} (stage {stage})"),
                 ));
             }
             // Each rank its own view of the (memory-mapped) files, so each checks that it read them all.
             let ckpt = Checkpoint::open(dir)?;
-            models.push(Model::from_checkpoint_sharded(config.clone(), &ckpt, backend, group)?);
+            models.push(Model::from_checkpoint_stage(config.clone(), &ckpt, backend, group, links)?);
         }
-        Ok(ShardedModel { ranks: models })
+        Ok(ShardedModel { ranks: models, layout, mailboxes, micro_batches: layout.pipeline })
     }
 
-    /// The ranks' models, rank 0 first.
+    /// A model of `config`'s shape with random weights ([`Model::random`]) in `layout`'s pipeline
+    /// stages, one on each backend of `backends` (stage order): for measuring the stages and their
+    /// hand-over at real dimensions. Each stage has its own weights, so the outputs mean nothing.
+    pub fn random(config: Config, layout: Layout, backends: Vec<B>, seed: u64) -> Result<Self> {
+        layout.check(config.num_hidden_layers)?;
+        if layout.tensor != 1 {
+            return Err(Error::param(
+                "tensor",
+                layout.tensor,
+                "random weights are made for stages of one rank; a tensor split loads a checkpoint",
+            ));
+        }
+        if backends.len() != layout.ranks() {
+            return Err(Error::param(
+                "backends",
+                backends.len(),
+                format!("the layout {layout:?} needs {}", layout.ranks()),
+            ));
+        }
+        let (links, mailboxes) = stage_links(layout, config.num_hidden_layers);
+        let ranks = backends
+            .into_iter()
+            .zip(links)
+            .enumerate()
+            .map(|(rank, (b, links))| Model::random_stage(config.clone(), b, seed.wrapping_add(rank as u64), links))
+            .collect::<Result<_>>()?;
+        Ok(ShardedModel { ranks, layout, mailboxes, micro_batches: layout.pipeline })
+    }
+
+    /// How the model is split.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// Cuts each step into at most `count` micro-batches of whole requests (default: one per pipeline
+    /// stage), so that the stages work on different requests at once. Rows do not depend on their batch,
+    /// so the outputs are the same bits for every count. Without stages there is nothing to overlap, and
+    /// a step stays whole.
+    pub fn set_micro_batches(&mut self, count: usize) -> Result<()> {
+        if count == 0 {
+            return Err(Error::param("micro_batches", 0, "a step is cut into at least one micro-batch"));
+        }
+        self.micro_batches = count;
+        Ok(())
+    }
+
+    /// The ranks' models, rank 0 (the first stage's) first.
     pub fn ranks(&self) -> &[Model<B>] {
         &self.ranks
     }
@@ -179,22 +262,27 @@ impl<B: Backend> ShardedModel<B> {
         Ok(ShardedCache { ranks })
     }
 
-    /// [`Model::step`] on every rank at once; rank 0's logits.
+    /// [`Model::step`] on every rank at once; the last stage's logits.
     pub fn step(&self, cache: &mut ShardedCache<B>, requests: &[StepRequest], which: Logits) -> Result<Vec<f32>> {
-        self.on_every_rank(cache, |m, c| m.step(c, requests, which))
+        let runs = self.micro_batches(requests);
+        let mut parts = self.on_every_rank(cache, requests, &runs, |m, c, r| m.stage_step(c, r, which))?;
+        Ok(parts.swap_remove(self.last_rank()).concat())
     }
 
-    /// [`Model::step_argmax`] on every rank at once; rank 0's tokens.
+    /// [`Model::step_argmax`] on every rank at once; the last stage's tokens.
     pub fn step_argmax(
         &self,
         cache: &mut ShardedCache<B>,
         requests: &[StepRequest],
         which: Logits,
     ) -> Result<Vec<u32>> {
-        self.on_every_rank(cache, |m, c| m.step_argmax(c, requests, which))
+        let runs = self.micro_batches(requests);
+        let mut parts = self.on_every_rank(cache, requests, &runs, |m, c, r| m.stage_step_argmax(c, r, which))?;
+        Ok(parts.swap_remove(self.last_rank()).concat())
     }
 
-    /// [`Model::step_hidden`] on every rank at once; rank 0's outputs.
+    /// [`Model::step_hidden`] on every rank at once: each layer's hidden states from the stage that holds
+    /// it, argmax and logits from the last stage.
     pub fn step_hidden(
         &self,
         cache: &mut ShardedCache<B>,
@@ -203,7 +291,43 @@ impl<B: Backend> ShardedModel<B> {
         layers: &[usize],
         logits: bool,
     ) -> Result<HiddenStep> {
-        self.on_every_rank(cache, |m, c| m.step_hidden(c, requests, which, layers, logits))
+        let runs = self.micro_batches(requests);
+        let parts =
+            self.on_every_rank(cache, requests, &runs, |m, c, r| m.stage_step_hidden(c, r, which, layers, logits))?;
+        let last = &parts[self.last_rank()];
+        let h = self.config().hidden_size;
+        let mut hidden = Vec::new();
+        for (k, &layer) in layers.iter().enumerate() {
+            let stage = self.stage_of(layer);
+            // The stage's blocks are the layers asked for that it holds, in the order asked.
+            let block = layers[..k].iter().filter(|&&l| self.stage_of(l) == stage).count();
+            for (run, part) in runs.iter().zip(&parts[stage * self.layout.tensor]) {
+                let n = run.iter().map(|r| r.tokens.len()).sum::<usize>() * h;
+                hidden.extend_from_slice(&part.hidden[block * n..(block + 1) * n]);
+            }
+        }
+        Ok(HiddenStep {
+            argmax: last.iter().flat_map(|p| p.argmax.iter().copied()).collect(),
+            logits: last.iter().flat_map(|p| p.logits.iter().copied()).collect(),
+            hidden,
+        })
+    }
+
+    /// The runs of requests a step is cut into ([`ShardedModel::set_micro_batches`]).
+    fn micro_batches<'r, 'a>(&self, requests: &'r [StepRequest<'a>]) -> Vec<&'r [StepRequest<'a>]> {
+        let count = if self.layout.pipeline > 1 { self.micro_batches } else { 1 };
+        micro_batches(requests, count)
+    }
+
+    /// The rank whose outputs are the model's: tensor rank 0 of the last stage.
+    fn last_rank(&self) -> usize {
+        (self.layout.pipeline - 1) * self.layout.tensor
+    }
+
+    /// The stage that holds layer `layer`.
+    fn stage_of(&self, layer: usize) -> usize {
+        let layers = self.config().num_hidden_layers;
+        (0..self.layout.pipeline).find(|&s| self.layout.stage_layers(s, layers).contains(&layer)).unwrap_or(0)
     }
 
     /// [`KvCache::commit_trees`] on every rank (no rank waits for another: nothing is summed).
@@ -219,29 +343,39 @@ impl<B: Backend> ShardedModel<B> {
         Ok(())
     }
 
-    /// Runs `f` for every rank, each in its own thread (the collectives need them all at once), and
-    /// returns rank 0's result, or the first error in rank order. A rank that fails aborts the group, so
-    /// the others return instead of waiting for it.
+    /// Runs `f` on every rank for each run of requests in turn, each rank in its own thread (the
+    /// collectives and the stages need them all at once), and returns every rank's results, `[rank][run]`,
+    /// or the first error in rank order. The whole step is checked and its cache pages reserved on every
+    /// rank first, so a bad request fails before any run has moved a cache. A rank that fails aborts
+    /// every group and mailbox, so the others return instead of waiting for it.
     fn on_every_rank<T: Send>(
         &self,
         cache: &mut ShardedCache<B>,
-        f: impl Fn(&Model<B>, &mut KvCache<B>) -> Result<T> + Sync,
-    ) -> Result<T> {
+        requests: &[StepRequest],
+        runs: &[&[StepRequest]],
+        f: impl Fn(&Model<B>, &mut KvCache<B>, &[StepRequest]) -> Result<T> + Sync,
+    ) -> Result<Vec<Vec<T>>> {
         self.check_ranks(cache)?;
-        if self.ranks.len() == 1 {
-            return f(&self.ranks[0], &mut cache.ranks[0]);
+        for (model, cache) in self.ranks.iter().zip(&mut cache.ranks) {
+            model.check_step(cache, requests)?;
         }
-        let f = &f;
-        let results: Vec<Result<T>> = std::thread::scope(|scope| {
+        let every_run = |model: &Model<B>, cache: &mut KvCache<B>| -> Result<Vec<T>> {
+            runs.iter().map(|run| f(model, cache, run)).collect()
+        };
+        if self.ranks.len() == 1 {
+            return Ok(vec![every_run(&self.ranks[0], &mut cache.ranks[0])?]);
+        }
+        let results: Vec<Result<Vec<T>>> = std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .ranks
                 .iter()
                 .zip(cache.ranks.iter_mut())
                 .map(|(model, cache)| {
+                    let every_run = &every_run;
                     scope.spawn(move || {
-                        let result = f(model, cache);
+                        let result = every_run(model, cache);
                         if result.is_err() {
-                            model.abort_group();
+                            self.abort_all();
                         }
                         result
                     })
@@ -250,7 +384,7 @@ impl<B: Backend> ShardedModel<B> {
             handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
         });
         if results.iter().any(|r| r.is_err()) {
-            self.ranks.iter().for_each(|m| m.reset_group());
+            self.reset_all();
         }
         // The error that made the others abort, rather than one of their aborts.
         let mut oks = Vec::new();
@@ -266,9 +400,39 @@ impl<B: Backend> ShardedModel<B> {
         }
         match aborted {
             Some(e) => Err(e),
-            None => Ok(oks.swap_remove(0)),
+            None => Ok(oks),
         }
     }
+
+    /// Ends every collective and every hand-over between stages that any rank waits in, now or later.
+    fn abort_all(&self) {
+        self.ranks.iter().for_each(|m| m.abort_group());
+        self.mailboxes.iter().for_each(|m| m.abort());
+    }
+
+    /// Readies every group and mailbox for the next step after an aborted one.
+    fn reset_all(&self) {
+        self.ranks.iter().for_each(|m| m.reset_group());
+        self.mailboxes.iter().for_each(|m| m.reset());
+    }
+}
+
+/// Every rank's layers and mailboxes in `layout` over `layers` layers (rank order), and the mailboxes:
+/// stage `s`'s tensor rank `t` hands its rows to stage `s + 1`'s through entry `s * tensor + t`.
+fn stage_links(layout: Layout, layers: usize) -> (Vec<StageLinks>, Vec<Arc<Mailbox>>) {
+    let tensor = layout.tensor;
+    let mailboxes: Vec<Arc<Mailbox>> = (0..(layout.pipeline - 1) * tensor).map(|_| Arc::default()).collect();
+    let links = (0..layout.ranks())
+        .map(|rank| {
+            let (stage, t) = (rank / tensor, rank % tensor);
+            StageLinks {
+                layers: layout.stage_layers(stage, layers),
+                from_previous: stage.checked_sub(1).map(|p| mailboxes[p * tensor + t].clone()),
+                to_next: (stage + 1 < layout.pipeline).then(|| mailboxes[stage * tensor + t].clone()),
+            }
+        })
+        .collect();
+    (links, mailboxes)
 }
 
 impl<B: Backend> ShardedCache<B> {

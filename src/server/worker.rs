@@ -12,7 +12,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::{Error, Result};
 use crate::model::backend::Backend;
-use crate::spec::{Engine, FinishReason, Proposer, RequestId, RequestParams, StepOutput, TokenLogprob};
+use crate::spec::{Engine, FinishReason, Proposer, RequestId, RequestParams, StepOutput, Target, TokenLogprob};
 
 use super::metrics::Metrics;
 
@@ -167,7 +167,7 @@ pub struct LoopStarter {
 
 impl LoopStarter {
     /// Serves requests with `engine` until every handle is dropped and no request is left.
-    pub fn run<B: Backend, P: Proposer>(self, engine: &mut Engine<B, P>) -> Result<()> {
+    pub fn run<B: Backend, P: Proposer, T: Target<B>>(self, engine: &mut Engine<B, P, T>) -> Result<()> {
         let config = engine.config();
         let info = EngineInfo {
             max_seq_len: config.max_seq_len.saturating_sub(engine.tree_rows()),
@@ -186,15 +186,15 @@ impl LoopStarter {
 }
 
 /// The loop's state over an engine built on its thread.
-struct EngineLoop<'e, 'm, B: Backend, P: Proposer> {
-    engine: &'e mut Engine<'m, B, P>,
+struct EngineLoop<'e, 'm, B: Backend, P: Proposer, T: Target<B>> {
+    engine: &'e mut Engine<'m, B, P, T>,
     info: EngineInfo,
     jobs: &'e mpsc::Receiver<Job>,
     queued: &'e AtomicUsize,
     metrics: &'e Metrics,
 }
 
-impl<B: Backend, P: Proposer> EngineLoop<'_, '_, B, P> {
+impl<B: Backend, P: Proposer, T: Target<B>> EngineLoop<'_, '_, B, P, T> {
     /// Admits, steps and dispatches until every handle is dropped and no request is left.
     fn run(mut self) {
         let mut running: Vec<Running> = Vec::new();
