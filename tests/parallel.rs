@@ -2,7 +2,8 @@
 //! whole model on the two tiny checkpoints: one rank gives its bits; 2, 4 and 8 CPU ranks in threads give
 //! logits within rounding and the same greedy continuations; a sequence alone equals it inside a batch
 //! (prefill, decode and tree rows); the speculative engine over a split model emits the whole model's
-//! greedy tokens; layouts that do not split and bad inputs are errors, and an error leaves the group
+//! greedy tokens (lm_head split by vocabulary rows, the logits gathered; the drafter beside rank 0 with
+//! the whole head); layouts that do not split and bad inputs are errors, and an error leaves the group
 //! ready for the next step. Pipeline stages (alone and with tensor ranks in each, steps cut into
 //! micro-batches) give the bits of one stage, hidden states included, and the engine's greedy tokens.
 //! With the `cuda` feature, one GPU through NCCL gives the bits of the non-parallel CUDA path, and
@@ -206,6 +207,10 @@ fn layouts_that_do_not_split_are_errors_naming_the_size() {
     assert!(matches!(err, Error::Param { name: "pipeline", .. }), "{err}");
     let err = ShardedModel::load_cpu(dir, Layout { tensor: 3, pipeline: 2 }).err().expect("3 ranks a stage");
     assert!(matches!(err, Error::Param { name: "num_attention_heads", .. }), "{err}");
+    // The ranks split the vocabulary: only rank 0 keeps the whole lm_head a drafter reads.
+    let split = ShardedModel::load_cpu(dir, Layout::tensor(2)).unwrap();
+    let err = Drafter::load(dir.join("drafter"), &split.ranks()[1]).err().expect("a drafter beside rank 1");
+    assert!(matches!(err, Error::Param { name: "target", .. }), "{err}");
 }
 
 /// A bad token and a cache of another group are errors on every rank, and the next good step gives the

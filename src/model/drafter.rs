@@ -177,7 +177,7 @@ impl<B: Backend> Drafter<B> {
     }
 
     fn from_checkpoint(config: Config, dflash: DflashConfig, ckpt: &Checkpoint, target: &Model<B>) -> Result<Self> {
-        let SharedParts { embed, lm_head, backend } = target.shared_parts();
+        let SharedParts { embed, lm_head, backend } = target.shared_parts()?;
         let (b, h) = (&*backend, config.hidden_size);
         let k = dflash.target_layer_ids.len();
         let fc = Linear::load(ckpt, "fc.weight", h, k * h)?;

@@ -192,11 +192,29 @@ struct Scratch<B: Backend> {
     /// `[picked, k]` top-K ids and log-probabilities of the last K a step asked for (empty until then).
     top_ids: B::Buf<i32>,
     top_logp: B::Buf<f32>,
+    /// With a vocabulary split: what gathers the ranks' logits into `logits`.
+    split_logits: Option<SplitLogits<B>>,
+}
+
+/// The logits of a vocabulary split: this rank's `[picked, share]`, every rank's `[world, picked, share]`
+/// as gathered, and the gathered rows in `[picked, vocab]` order (row r's share of rank k is gathered row
+/// `k * picked + r`).
+struct SplitLogits<B: Backend> {
+    share: B::Buf<f32>,
+    gathered: B::Buf<f32>,
+    order: B::Buf<i32>,
 }
 
 impl<B: Backend> Scratch<B> {
-    /// Buffers for a model of `c` holding `heads` attention heads.
-    fn new(b: &B, c: &Config, heads: usize, pages_per_req: usize, tokens: usize, picked: usize) -> Result<Self> {
+    /// Buffers for a model of `c` holding `heads` attention heads, and `split`'s share of the vocabulary.
+    fn new(
+        b: &B,
+        c: &Config,
+        (heads, split): (usize, Option<Shard>),
+        pages_per_req: usize,
+        tokens: usize,
+        picked: usize,
+    ) -> Result<Self> {
         let h = c.hidden_size;
         let inter = c.intermediate_size.max(c.moe_intermediate_size * c.n_shared_experts);
         let t = tokens;
@@ -237,6 +255,16 @@ impl<B: Backend> Scratch<B> {
             argmax: b.zeros(picked)?,
             top_ids: b.zeros(1)?,
             top_logp: b.zeros(1)?,
+            split_logits: split
+                .map(|shard| -> Result<SplitLogits<B>> {
+                    let share = c.vocab_size / shard.world;
+                    Ok(SplitLogits {
+                        share: b.zeros(picked * share)?,
+                        gathered: b.zeros(picked * c.vocab_size)?,
+                        order: b.zeros(picked * shard.world)?,
+                    })
+                })
+                .transpose()?,
         })
     }
 }
@@ -248,8 +276,14 @@ pub struct Model<B: Backend = CpuBackend> {
     embed: Arc<B::Buf<bf16>>,
     layers: Vec<Layer<B>>,
     norm: Norm<B>,
-    /// Shared with a drafter, whose logits come from the target's head.
+    /// The head the logits come from: every row of the vocabulary, or with a vocabulary split
+    /// (`vocab_split`) this rank's share. Shared with a drafter when whole.
     lm_head: Arc<B::Linear>,
+    /// The group's place of this rank when lm_head holds only its share of the vocabulary (the ranks'
+    /// logits are then gathered); `None` when it holds it all.
+    vocab_split: Option<Shard>,
+    /// The whole head for a drafter beside rank 0 of a vocabulary split.
+    drafter_head: Option<Arc<B::Linear>>,
     rope: Rope,
     /// Attention heads this model holds: all of them, or its rank's share.
     heads: usize,
@@ -530,10 +564,19 @@ impl<B: Backend> Model<B> {
         bar.finish_and_clear();
         let (v, h) = (c.vocab_size, c.hidden_size);
         let embed = ckpt.bf16("model.embed_tokens.weight", &[v, h])?;
-        let lm_head = if c.tie_word_embeddings {
-            backend.linear(&embed, 1, v, h)?
-        } else {
-            backend.linear(&ckpt.bf16("lm_head.weight", &[v, h])?, 1, v, h)?
+        let head_rows = if c.tie_word_embeddings { None } else { Some(ckpt.bf16("lm_head.weight", &[v, h])?) };
+        let head_rows = head_rows.as_deref().unwrap_or(&embed);
+        // A split group splits the vocabulary too when it divides evenly: each rank's logits GEMM reads a
+        // share of the head, and the ranks' logits are gathered.
+        let vocab_split = (shard.world > 1 && v.is_multiple_of(shard.world)).then_some(shard);
+        let (lm_head, drafter_head) = match vocab_split {
+            None => (backend.linear(head_rows, 1, v, h)?, None),
+            Some(shard) => {
+                let rows = shard.range("vocab_size", v)?;
+                let share = backend.linear(&head_rows[rows.start * h..rows.end * h], 1, rows.len(), h)?;
+                let whole = (shard.rank == 0).then(|| backend.linear(head_rows, 1, v, h)).transpose()?;
+                (share, whole.map(Arc::new))
+            }
         };
         let norm = layers::RmsNorm::load(ckpt, "model.norm.weight", h, c.rms_norm_eps)?;
         check_all_read(ckpt, c, &stage.layers)?;
@@ -541,6 +584,8 @@ impl<B: Backend> Model<B> {
         let norm = Norm::place(&backend, &norm)?;
         let mut model = Model::from_parts(config, embed, layers, norm, Arc::new(lm_head), Arc::new(backend), group)?;
         model.stage = stage;
+        model.vocab_split = vocab_split;
+        model.drafter_head = drafter_head;
         Ok(model)
     }
 
@@ -628,6 +673,8 @@ impl<B: Backend> Model<B> {
         let world = group.as_ref().map_or(1, |g| g.shard().world);
         Ok(Model {
             heads: config.num_attention_heads / world,
+            vocab_split: None,
+            drafter_head: None,
             group,
             stage: StageLinks::whole(layers.len()),
             embed,
@@ -886,9 +933,21 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
-    /// The parts a drafter of this target shares with it.
-    pub(super) fn shared_parts(&self) -> SharedParts<B> {
-        SharedParts { embed: self.embed.clone(), lm_head: self.lm_head.clone(), backend: self.backend.clone() }
+    /// The parts a drafter of this target shares with it; an error for a rank that holds only a share of
+    /// lm_head and no whole copy (a drafter sits beside rank 0).
+    pub(super) fn shared_parts(&self) -> Result<SharedParts<B>> {
+        let lm_head = match (&self.vocab_split, &self.drafter_head) {
+            (None, _) => self.lm_head.clone(),
+            (Some(_), Some(whole)) => whole.clone(),
+            (Some(shard), None) => {
+                return Err(Error::param(
+                    "target",
+                    format!("rank {} of {}", shard.rank, shard.world),
+                    "a drafter sits beside rank 0, the one rank of a vocabulary split with the whole lm_head",
+                ))
+            }
+        };
+        Ok(SharedParts { embed: self.embed.clone(), lm_head, backend: self.backend.clone() })
     }
 
     /// Like [`Model::forward`], but returns only the argmax token of each chosen row, computed where the
@@ -930,7 +989,9 @@ impl<B: Backend> Model<B> {
             let (t, p) = guard.as_ref().map_or((tokens, picked), |s| (s.tokens.max(tokens), s.picked.max(picked)));
             graphs.recorded.clear(); // they hold the old buffers' addresses
             *guard = None; // free the old buffers before allocating the new ones
-            *guard = Some(Scratch::new(b, &self.config, self.heads, cache.layout.pages_per_req, t.max(1), p.max(1))?);
+            let (heads, split) = (self.heads, self.vocab_split);
+            *guard =
+                Some(Scratch::new(b, &self.config, (heads, split), cache.layout.pages_per_req, t.max(1), p.max(1))?);
         }
         let s = guard.as_mut().expect("made above");
         while s.hidden.len() < hidden.len() {
@@ -1035,7 +1096,7 @@ impl<B: Backend> Model<B> {
         b.gather(&s.x, h, tokens, &s.pick, picked, &mut s.last)?;
         self.norm.run(b, &s.last, picked, &mut s.last_normed)?;
         laps.lap(Stage::Elementwise)?;
-        b.matmul(&self.lm_head, &s.last_normed, picked, &mut s.logits)?;
+        self.logits(s, picked, laps)?;
         if argmax {
             b.argmax(&s.logits, self.config.vocab_size, picked, &mut s.argmax)?;
         }
@@ -1061,6 +1122,22 @@ impl<B: Backend> Model<B> {
             cache.reserve(r.seq, start + r.tokens.len())?;
         }
         Ok(())
+    }
+
+    /// lm_head on the chosen rows into `s.logits`: directly, or with a vocabulary split this rank's share
+    /// gathered with every other rank's and laid out row by row.
+    fn logits(&self, s: &mut Scratch<B>, picked: usize, laps: &mut Laps<B>) -> Result<()> {
+        let b = &*self.backend;
+        let (Some(shard), Some(group), Some(split)) = (self.vocab_split, &self.group, s.split_logits.as_mut()) else {
+            return b.matmul(&self.lm_head, &s.last_normed, picked, &mut s.logits);
+        };
+        let share = self.config.vocab_size / shard.world;
+        b.matmul(&self.lm_head, &s.last_normed, picked, &mut split.share)?;
+        laps.lap(Stage::LmHead)?;
+        group.all_gather(b, &split.share, picked * share, &mut split.gathered)?;
+        laps.lap(Stage::Communication)?;
+        let rows = picked * shard.world;
+        b.gather(&split.gathered, share, rows, &split.order, rows, &mut s.logits)
     }
 
     /// Checks the requests, reserves their cache pages (an error here leaves every cache row as it was)
@@ -1143,6 +1220,12 @@ impl<B: Backend> Model<B> {
             b.write(&tree.block_tables, &mut s.tree_tables)?;
             b.write(&tree.prefix, &mut s.tree_prefix)?;
             b.write(&tree.visibility, &mut s.visibility)?;
+        }
+        if let (Some(shard), Some(split)) = (self.vocab_split, s.split_logits.as_mut()) {
+            let picked = x.pick.len();
+            let order: Vec<i32> =
+                (0..picked).flat_map(|r| (0..shard.world).map(move |k| (k * picked + r) as i32)).collect();
+            b.write(&order, &mut split.order)?;
         }
         b.write(&x.pick, &mut s.pick)
     }

@@ -1,9 +1,11 @@
 //! Running one model over several devices (ENGINE.md §10): tensor parallelism for attention (heads
 //! split) and the dense MLPs (intermediate features split), expert parallelism for the routed experts
 //! (each rank holds a contiguous share), with one sum over the ranks after each attention block and each
-//! feed-forward block. The embedding, the norms, the latent projections, the router and lm_head are whole
-//! on every rank, so after each sum every rank holds the same hidden states and rank 0's outputs are the
-//! model's.
+//! feed-forward block. The embedding, the norms, the latent projections and the router are whole on
+//! every rank, so after each sum every rank holds the same hidden states. lm_head is split by vocabulary
+//! rows when the ranks divide the vocabulary (each rank's logits GEMM reads its share, then the logits are
+//! gathered; rank 0 also keeps the whole head for a drafter beside it), so every rank ends with the same
+//! logits and rank 0's outputs are the model's.
 //!
 //! The sum runs in rank order (`((x₀ + x₁) + x₂) + …`, per element) on every rank, so a row's result
 //! depends neither on the batch nor on which rank computes it: the batch invariance of DESIGN.md §4.5
@@ -15,9 +17,10 @@
 //! `tensor × pipeline` ranks, each stage a tensor-parallel group of its own, a step's requests cut into
 //! micro-batches that flow through the stages one after another.
 //!
-//! [`Collective`] is the sum, per backend: [`ThreadGroup`] for CPU ranks in threads of one process,
-//! and, with the `cuda` feature, [`nccl::NcclGroup`] for GPUs through NCCL (loaded at run time, like the
-//! driver). [`ShardedModel`] holds one [`Model`] per rank and runs a step on all of them at once.
+//! [`Collective`] is the sum (and the logits' gather), per backend: [`ThreadGroup`] for CPU ranks in
+//! threads of one process, and, with the `cuda` feature, [`nccl::NcclGroup`] for GPUs through NCCL
+//! (loaded at run time, like the driver). [`ShardedModel`] holds one [`Model`] per rank and runs a step
+//! on all of them at once.
 
 #[cfg(feature = "cuda")]
 pub mod nccl;
@@ -76,6 +79,10 @@ pub trait Collective<B: Backend>: Send + Sync {
     /// order from rank 0: the same bits on every rank, whatever else the buffers hold. Every rank of the
     /// group must call it, in the same order, with the same `n`.
     fn all_reduce(&self, backend: &B, x: &mut B::Buf<f32>, n: usize) -> Result<()>;
+
+    /// Writes every rank's `x[..n]` into `out[..world * n]` on every rank, rank 0's first. Every rank of
+    /// the group must call it, in the same order, with the same `n`.
+    fn all_gather(&self, backend: &B, x: &B::Buf<f32>, n: usize, out: &mut B::Buf<f32>) -> Result<()>;
 
     /// Changes whenever the group reallocates a buffer that a recorded graph holds the address of.
     fn epoch(&self) -> u64 {

@@ -105,6 +105,29 @@ impl Collective<CudaBackend> for NcclGroup {
         Ok(())
     }
 
+    fn all_gather(&self, _backend: &CudaBackend, x: &CudaSlice<f32>, n: usize, out: &mut CudaSlice<f32>) -> Result<()> {
+        if self.aborted.load(Ordering::Acquire) {
+            return Err(aborted());
+        }
+        let world = self.shard.world;
+        if n == 0 {
+            return Ok(());
+        }
+        if x.len() < n || out.len() < world * n {
+            return Err(Error::param(
+                "x / out",
+                format!("{} / {}", x.len(), out.len()),
+                format!("must hold {n} / {world} × {n} elements"),
+            ));
+        }
+        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state
+            .comm
+            .all_gather(&x.slice(..n), &mut out.slice_mut(..world * n))
+            .map_err(|e| nccl_err("ncclAllGather", e))?;
+        Ok(())
+    }
+
     fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::Relaxed)
     }

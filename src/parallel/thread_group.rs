@@ -44,6 +44,34 @@ impl ThreadGroup {
         self.meeting.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// One round: deposits this rank's `part`, waits for every rank's, and returns them all in rank
+    /// order; the last rank to read clears the round for the next. Parts of different lengths abort
+    /// the group.
+    fn meet(&self, part: Vec<f32>) -> Result<Vec<Vec<f32>>> {
+        let (rank, world, n) = (self.shard.rank, self.shard.world, part.len());
+        // A round still being read belongs to the ranks before: wait until it is cleared.
+        let mut round = self.wait_until(self.lock(), |r| r.parts[rank].is_none() && r.read == 0)?;
+        round.parts[rank] = Some(part);
+        round.deposited += 1;
+        self.meeting.changed.notify_all();
+        let mut round = self.wait_until(round, |r| r.deposited == world)?;
+        let parts: Vec<Vec<f32>> = round.parts.iter().map(|p| p.clone().expect("every rank deposited")).collect();
+        if let Some(p) = parts.iter().position(|p| p.len() != n) {
+            let len = parts[p].len();
+            round.aborted = true;
+            self.meeting.changed.notify_all();
+            return Err(Error::param("n", n, format!("rank {p} takes part with {len} elements in the same round")));
+        }
+        round.read += 1;
+        if round.read == world {
+            round.parts.iter_mut().for_each(|p| *p = None);
+            round.deposited = 0;
+            round.read = 0;
+            self.meeting.changed.notify_all();
+        }
+        Ok(parts)
+    }
+
     /// Waits on the meeting until `ready` holds; an error once the group is aborted.
     fn wait_until<'a>(
         &'a self,
@@ -66,32 +94,25 @@ impl Collective<CpuBackend> for ThreadGroup {
     }
 
     fn all_reduce(&self, _backend: &CpuBackend, x: &mut Vec<f32>, n: usize) -> Result<()> {
-        let (rank, world) = (self.shard.rank, self.shard.world);
         let part = x.get(..n).ok_or_else(|| Error::shape("x", format!("at least {n} elements"), n, x.len()))?;
-        // A round still being read belongs to the ranks before: wait until it is cleared.
-        let mut round = self.wait_until(self.lock(), |r| r.parts[rank].is_none() && r.read == 0)?;
-        round.parts[rank] = Some(part.to_vec());
-        round.deposited += 1;
-        self.meeting.changed.notify_all();
-        let mut round = self.wait_until(round, |r| r.deposited == world)?;
-        let parts: Vec<&Vec<f32>> = round.parts.iter().map(|p| p.as_ref().expect("every rank deposited")).collect();
-        if let Some(p) = parts.iter().position(|p| p.len() != n) {
-            let len = parts[p].len();
-            round.aborted = true;
-            self.meeting.changed.notify_all();
-            return Err(Error::param("n", n, format!("rank {p} reduces {len} elements in the same round")));
-        }
+        let parts = self.meet(part.to_vec())?;
         let sum = &mut x[..n];
-        sum.copy_from_slice(parts[0]);
+        sum.copy_from_slice(&parts[0]);
         for p in &parts[1..] {
             sum.iter_mut().zip(p.iter()).for_each(|(s, v)| *s += v);
         }
-        round.read += 1;
-        if round.read == world {
-            round.parts.iter_mut().for_each(|p| *p = None);
-            round.deposited = 0;
-            round.read = 0;
-            self.meeting.changed.notify_all();
+        Ok(())
+    }
+
+    fn all_gather(&self, _backend: &CpuBackend, x: &Vec<f32>, n: usize, out: &mut Vec<f32>) -> Result<()> {
+        let world = self.shard.world;
+        let part = x.get(..n).ok_or_else(|| Error::shape("x", format!("at least {n} elements"), n, x.len()))?;
+        if out.len() < world * n {
+            return Err(Error::shape("out", format!("at least {world} × {n} elements"), world * n, out.len()));
+        }
+        let parts = self.meet(part.to_vec())?;
+        for (chunk, p) in out.chunks_exact_mut(n.max(1)).zip(&parts) {
+            chunk.copy_from_slice(p);
         }
         Ok(())
     }
@@ -163,6 +184,28 @@ mod tests {
         let results = reduce_all(&groups, &[vec![1.0, 2.0], vec![1.0]]);
         assert!(results.iter().any(|r| matches!(r, Err(Error::Param { name: "n", .. }))), "no length error");
         assert!(results.iter().all(|r| r.is_err()));
+    }
+
+    #[test]
+    fn every_rank_gets_every_part_in_rank_order() {
+        let groups = ThreadGroup::new(3).unwrap();
+        let gathered: Vec<Vec<f32>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = groups
+                .iter()
+                .enumerate()
+                .map(|(rank, g)| {
+                    scope.spawn(move || {
+                        let mut out = vec![0.0; 6];
+                        g.all_gather(&CpuBackend, &vec![rank as f32, 10.0 + rank as f32, 99.0], 2, &mut out)
+                            .map(|()| out)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("rank thread").unwrap()).collect()
+        });
+        for out in gathered {
+            assert_eq!(out, vec![0.0, 10.0, 1.0, 11.0, 2.0, 12.0]);
+        }
     }
 
     #[test]
