@@ -13,6 +13,7 @@
 //! cargo run --release --example generate -- --mode chain --prompts fixtures/models/heldout.txt --batch 16
 //! cargo run --release --example generate -- --chat --prompt "Hi!" --temperature 0.8 --top-p 0.9 --seed 7
 //! cargo run --release --features cuda --example generate -- --gpu --mode auto
+//! cargo run --release --example generate -- --mode ddtree --tensor 2 --pipeline 2
 //! ```
 //! The default model is the shipped one, `fixtures/models/tiny-k2` (trained by `train/`, see README).
 
@@ -26,8 +27,9 @@ use std::time::Instant;
 use clap::Parser;
 use kdtree_engine::model::backend::Backend;
 use kdtree_engine::model::{drafter_beside, ChatMessage, Drafter, Model, Tokenizer};
+use kdtree_engine::parallel::{Layout, ShardedModel};
 use kdtree_engine::spec::{
-    DflashProposer, Engine, EngineConfig, Mode, NgramProposer, Proposer, RequestParams, Sampling,
+    DflashProposer, Engine, EngineConfig, Mode, NgramProposer, Proposer, RequestParams, Sampling, Target,
 };
 use kdtree_engine::{Error, Result};
 
@@ -84,6 +86,12 @@ struct Args {
     /// text is printed).
     #[arg(long, default_value_t = 1)]
     batch: usize,
+    /// Ranks sharing each layer (tensor and expert parallel): CPU threads, or GPUs with `--gpu`.
+    #[arg(long, default_value_t = 1)]
+    tensor: usize,
+    /// Pipeline stages of layers, each of `--tensor` ranks; GPUs 0.. in stage order with `--gpu`.
+    #[arg(long, default_value_t = 1)]
+    pipeline: usize,
 }
 
 /// Checks the sampling options; an error names the bad one.
@@ -111,15 +119,26 @@ fn main() -> ExitCode {
 fn run(args: &Args) -> Result<()> {
     check_args(args)?;
     let start = Instant::now();
+    let layout = Layout { tensor: args.tensor, pipeline: args.pipeline };
+    let split = layout != Layout::tensor(1);
     if !args.gpu {
+        if split {
+            let model = ShardedModel::load_cpu(&args.model, layout)?;
+            return generate(args, &model, &model.ranks()[0], start);
+        }
         let model = Model::load(&args.model)?;
-        return generate(args, model, start);
+        return generate(args, &model, &model, start);
     }
     #[cfg(feature = "cuda")]
     {
-        let gpu = kdtree_engine::cuda::Gpu::new(0)?;
-        let model = Model::load_on(&args.model, kdtree_engine::cuda::backend::CudaBackend::new(gpu)?)?;
-        generate(args, model, start)
+        use kdtree_engine::cuda::backend::CudaBackend;
+        if split {
+            let ordinals: Vec<usize> = (0..layout.ranks()).collect();
+            let model = ShardedModel::load_cuda(&args.model, layout, &ordinals)?;
+            return generate(args, &model, &model.ranks()[0], start);
+        }
+        let model = Model::load_on(&args.model, CudaBackend::new(kdtree_engine::cuda::Gpu::new(0)?)?)?;
+        generate(args, &model, &model, start)
     }
     #[cfg(not(feature = "cuda"))]
     Err(Error::param("--gpu", true, "this build has no CUDA backend: build with `--features cuda`"))
@@ -196,23 +215,29 @@ fn show(tokenizer: &Tokenizer, generated: &[u32], shown: &mut usize) -> Result<(
     Ok(())
 }
 
-/// Generates from `model` (loading began at `start`).
-fn generate<B: Backend>(args: &Args, model: Model<B>, start: Instant) -> Result<()> {
+/// Generates from `model`, whose first rank is `first` (the model itself when not split; loading began
+/// at `start`).
+fn generate<B: Backend, T: Target<B>>(args: &Args, model: &T, first: &Model<B>, start: Instant) -> Result<()> {
     let tokenizer = Tokenizer::from_dir(&args.model)?;
     let load = start.elapsed();
     let prompts = encode_prompts(args, &tokenizer, model.config().max_position_embeddings)?;
-    generate_with_engine(args, &model, &tokenizer, &prompts, load)
+    let on = Run { backend: first.backend().name(), tokenizer: &tokenizer, prompts: &prompts, load };
+    generate_with_engine(args, model, first, &on)
 }
 
-/// `--batch` copies of the prompt through the speculative engine with the proposer the options ask for.
-fn generate_with_engine<B: Backend>(
-    args: &Args,
-    model: &Model<B>,
-    tokenizer: &Tokenizer,
-    prompts: &[(String, Vec<u32>)],
+/// What a generation run prints beside its counters.
+struct Run<'a> {
+    backend: String,
+    tokenizer: &'a Tokenizer,
+    prompts: &'a [(String, Vec<u32>)],
     load: std::time::Duration,
-) -> Result<()> {
-    let drafter = drafter_dir(args).map(|dir| Drafter::load(dir, model)).transpose()?;
+}
+
+/// `--batch` copies of the prompt through the speculative engine with the proposer the options ask for
+/// (a drafter beside `first`, the model's first rank).
+fn generate_with_engine<B: Backend, T: Target<B>>(args: &Args, model: &T, first: &Model<B>, on: &Run) -> Result<()> {
+    let prompts = on.prompts;
+    let drafter = drafter_dir(args).map(|dir| Drafter::load(dir, first)).transpose()?;
     let block = args.block.or(drafter.as_ref().map(|d| d.dflash().block_size)).unwrap_or(16);
     let longest = prompts.iter().map(|(_, ids)| ids.len()).max().unwrap_or(0);
     let len = longest + args.max_tokens + args.budget.max(block) + 1;
@@ -226,8 +251,8 @@ fn generate_with_engine<B: Backend>(
         max_seq_len: len,
     };
     match &drafter {
-        Some(d) => drive(args, Engine::new(model, DflashProposer::new(d, &config)?, config)?, tokenizer, prompts, load),
-        None => drive(args, Engine::new(model, NgramProposer::default(), config)?, tokenizer, prompts, load),
+        Some(d) => drive(args, Engine::new(model, DflashProposer::new(d, &config)?, config)?, on),
+        None => drive(args, Engine::new(model, NgramProposer::default(), config)?, on),
     }
 }
 
@@ -240,14 +265,8 @@ fn drafter_dir(args: &Args) -> Option<PathBuf> {
 }
 
 /// Runs the requests to the end; prints the first one's text as it comes, then the rates and counters.
-fn drive<B: Backend, P: Proposer>(
-    args: &Args,
-    mut engine: Engine<B, P>,
-    tokenizer: &Tokenizer,
-    prompts: &[(String, Vec<u32>)],
-    load: std::time::Duration,
-) -> Result<()> {
-    let model = engine.model();
+fn drive<B: Backend, P: Proposer, T: Target<B>>(args: &Args, mut engine: Engine<B, P, T>, on: &Run) -> Result<()> {
+    let Run { backend, tokenizer, prompts, load } = on;
     let warm = Instant::now();
     engine.warm_up(args.batch)?;
     if args.mode == Mode::Auto {
@@ -286,7 +305,7 @@ fn drive<B: Backend, P: Proposer>(
     eprintln!(
         "{}: load {load:.2?}; {} prompts of {}-{} tokens, first tokens after {first_token:.2?}; {decoded} more tokens in \
          {decode:.2?} ({:.1} tok/s)",
-        model.backend().name(),
+        backend,
         args.batch,
         prompts.iter().map(|(_, ids)| ids.len()).min().unwrap_or(0),
         prompts.iter().map(|(_, ids)| ids.len()).max().unwrap_or(0),
