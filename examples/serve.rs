@@ -6,7 +6,7 @@
 //! cargo run --release --example serve -- --mode ddtree --budget 32 --max-batch 16 --port 8000
 //! cargo run --release --features cuda --example serve -- --gpu --mode auto
 //! cargo run --release --features cuda --example serve -- --gpu --model path/to/Kimi-K2 --tensor 8
-//! cargo run --release --features cuda --example serve -- --gpu --model path/to/Kimi-K2 --tensor 8
+//! cargo run --release --example serve -- --tensor 2 --pipeline 2
 //! curl http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' \
 //!     -d '{"model": "tiny-k2", "prompt": "It is a truth universally acknowledged, that", "max_tokens": 32}'
 //! ```

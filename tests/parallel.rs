@@ -196,7 +196,12 @@ fn layouts_that_do_not_split_are_errors_naming_the_size() {
     let err = ShardedModel::load_cpu(dir, Layout::tensor(3)).err().expect("8 heads do not split over 3 ranks");
     assert!(matches!(err, Error::Param { name: "num_attention_heads", .. }), "{err}");
     let err = ShardedModel::load_cpu(dir, Layout::tensor(16)).err().expect("8 heads do not split over 16 ranks");
-    assert!(matches!(err, Error::Param { name: "num_attention_heads", .. }), "{err}");
+    assert!(matches!(err, Error::Param { name: "tensor", .. }), "{err}");
+    let err = ShardedModel::load_cpu(dir, Layout::tensor(100_000_000_000)).err().expect("more ranks than heads");
+    assert!(matches!(err, Error::Param { name: "tensor", .. }), "{err}");
+    let huge = Layout { tensor: usize::MAX, pipeline: 2 };
+    let err = ShardedModel::load_cpu(dir, huge).err().expect("a rank count that overflows");
+    assert!(matches!(err, Error::Param { name: "tensor × pipeline", .. }), "{err}");
     let err = ShardedModel::load_cpu(dir, Layout::tensor(0)).err().expect("no ranks");
     assert!(matches!(err, Error::Param { name: "tensor", .. }), "{err}");
     let err = ShardedModel::<CpuBackend>::load(dir, Layout::tensor(1), Vec::new()).err().expect("no ranks");
@@ -479,6 +484,9 @@ mod cuda {
         }
         let dir = &checkpoints()[0];
         let err = ShardedModel::load_cuda(dir, Layout::tensor(2), &[0, 0]).err().expect("a GPU twice in a stage");
+        assert!(matches!(err, Error::Param { name: "ordinals", .. }) && err.to_string().contains("twice"), "{err}");
+        let layout = Layout { tensor: 2, pipeline: 2 };
+        let err = ShardedModel::load_cuda(dir, layout, &[0, 1, 0, 1]).err().expect("a GPU in two tensor groups");
         assert!(matches!(err, Error::Param { name: "ordinals", .. }) && err.to_string().contains("twice"), "{err}");
         let err = ShardedModel::load_cuda(dir, Layout::tensor(1), &[]).err().expect("no GPU");
         assert!(matches!(err, Error::Param { name: "ordinals", .. }), "{err}");

@@ -1719,6 +1719,14 @@ impl<B: Backend> KvCache<B> {
         }
     }
 
+    /// Sets sequence `id`'s length back to `len` (no longer than it is): the rows past it are written
+    /// again by the next step. For undoing a step that failed on another rank after this one committed.
+    pub(crate) fn truncate(&mut self, id: usize, len: usize) {
+        if let Some(seq) = self.seqs.get_mut(id).and_then(Option::as_mut) {
+            seq.len = seq.len.min(len);
+        }
+    }
+
     /// Commits the tokens of every request that is not a tree.
     fn advance(&mut self, requests: &[StepRequest]) {
         for r in requests.iter().filter(|r| r.tree.is_none()) {

@@ -124,7 +124,7 @@ pub struct ShardedCache<B: Backend> {
 impl ShardedModel<CpuBackend> {
     /// Loads a checkpoint directory split by `layout` over CPU ranks in threads of this process.
     pub fn load_cpu(dir: impl AsRef<Path>, layout: Layout) -> Result<Self> {
-        layout.check_ranks()?;
+        check_layout(dir.as_ref(), layout)?;
         let mut ranks = Vec::with_capacity(layout.ranks());
         for _ in 0..layout.pipeline {
             let groups = ThreadGroup::new(layout.tensor)?;
@@ -141,13 +141,24 @@ impl ShardedModel<crate::cuda::backend::CudaBackend> {
     /// through the host), but only one rank of a stage.
     pub fn load_cuda(dir: impl AsRef<Path>, layout: Layout, ordinals: &[usize]) -> Result<Self> {
         use crate::cuda::backend::CudaBackend;
-        layout.check_ranks()?;
+        check_layout(dir.as_ref(), layout)?;
         if ordinals.len() != layout.ranks() {
             return Err(Error::param(
                 "ordinals",
                 format!("{ordinals:?}"),
                 format!("the layout {layout:?} needs {} GPUs, one a rank", layout.ranks()),
             ));
+        }
+        // Communicators of two stages on one device, used at once from two threads, may deadlock unless
+        // their operations are issued in one order; stages of one rank each have none that wait.
+        if layout.tensor > 1 {
+            if let Some(i) = (1..ordinals.len()).find(|&i| ordinals[..i].contains(&ordinals[i])) {
+                return Err(Error::param(
+                    "ordinals",
+                    format!("{ordinals:?}"),
+                    format!("GPU {} is named twice: with {} ranks a stage, one rank a GPU", ordinals[i], layout.tensor),
+                ));
+            }
         }
         let mut ranks = Vec::with_capacity(ordinals.len());
         for stage in ordinals.chunks(layout.tensor) {
@@ -353,8 +364,11 @@ impl<B: Backend> ShardedModel<B> {
     /// Runs `f` on every rank for each run of requests in turn, each rank in its own thread (the
     /// collectives and the stages need them all at once), and returns every rank's results, `[rank][run]`,
     /// or the first error in rank order. The whole step is checked and its cache pages reserved on every
-    /// rank first, so a bad request fails before any run has moved a cache. A rank that fails aborts
-    /// every group and mailbox, so the others return instead of waiting for it.
+    /// rank first, so a bad request fails before any run has moved a cache; after a failure later on,
+    /// every rank's sequences are set back to their lengths before the step. A rank that fails (or
+    /// panics) aborts its own group and every mailbox, so the others return instead of waiting for it:
+    /// the other stages fail at their next hand-over, where all their ranks stand at once, never inside
+    /// a collective.
     fn on_every_rank<T: Send>(
         &self,
         cache: &mut ShardedCache<B>,
@@ -372,6 +386,8 @@ impl<B: Backend> ShardedModel<B> {
         if self.ranks.len() == 1 {
             return Ok(vec![every_run(&self.ranks[0], &mut cache.ranks[0])?]);
         }
+        let lengths: Vec<(usize, usize)> =
+            requests.iter().map(|r| Ok((r.seq, cache.ranks[0].len(r.seq)?))).collect::<Result<_>>()?;
         let results: Vec<Result<Vec<T>>> = std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .ranks
@@ -380,11 +396,11 @@ impl<B: Backend> ShardedModel<B> {
                 .map(|(model, cache)| {
                     let every_run = &every_run;
                     scope.spawn(move || {
-                        let result = every_run(model, cache);
-                        if result.is_err() {
-                            self.abort_all();
+                        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| every_run(model, cache)));
+                        if !matches!(result, Ok(Ok(_))) {
+                            self.abort_after_failure(model);
                         }
-                        result
+                        result.unwrap_or_else(|p| std::panic::resume_unwind(p))
                     })
                 })
                 .collect();
@@ -392,6 +408,9 @@ impl<B: Backend> ShardedModel<B> {
         });
         if results.iter().any(|r| r.is_err()) {
             self.reset_all();
+            for c in &mut cache.ranks {
+                lengths.iter().for_each(|&(seq, len)| c.truncate(seq, len));
+            }
         }
         // The error that made the others abort, rather than one of their aborts.
         let mut oks = Vec::new();
@@ -411,9 +430,11 @@ impl<B: Backend> ShardedModel<B> {
         }
     }
 
-    /// Ends every collective and every hand-over between stages that any rank waits in, now or later.
-    fn abort_all(&self) {
-        self.ranks.iter().for_each(|m| m.abort_group());
+    /// After `failed` failed: ends the collectives of its own group (its peers stop at their next sum)
+    /// and every hand-over between stages (every other stage stops at its next one). Another stage's
+    /// group is left alone: its ranks may be inside a collective together, which NCCL cannot leave.
+    fn abort_after_failure(&self, failed: &Model<B>) {
+        failed.abort_group();
         self.mailboxes.iter().for_each(|m| m.abort());
     }
 
@@ -422,6 +443,22 @@ impl<B: Backend> ShardedModel<B> {
         self.ranks.iter().for_each(|m| m.reset_group());
         self.mailboxes.iter().for_each(|m| m.reset());
     }
+}
+
+/// `layout` against the checkpoint's config in `dir`, before any rank is made: an error naming a part
+/// that is zero, too large for the model (more stages than layers, more tensor ranks than heads) or
+/// whose rank count overflows.
+fn check_layout(dir: &Path, layout: Layout) -> Result<()> {
+    let config = Config::from_file(dir.join("config.json"))?;
+    layout.check(config.num_hidden_layers)?;
+    if layout.tensor > config.num_attention_heads {
+        return Err(Error::param(
+            "tensor",
+            layout.tensor,
+            format!("at most the {} attention heads, each rank at least one", config.num_attention_heads),
+        ));
+    }
+    Ok(())
 }
 
 /// Every rank's layers and mailboxes in `layout` over `layers` layers (rank order), and the mailboxes:

@@ -2,7 +2,7 @@
 //! handing the residual stream to the next stage's, and a step's requests cut into micro-batches so that
 //! the stages work on different requests at once.
 //!
-//! A stage hands its rows over through the host ([`Mailbox`]): the rows leave the device once per stage
+//! A stage hands its rows over through the host (a mailbox per pair of ranks): the rows leave the device once per stage
 //! boundary and micro-batch (`tokens × hidden_size` floats), whatever the backend, so a stage's step is
 //! one recorded graph from its first layer to its last. No float is added or reordered on the way, so a
 //! pipelined model gives the bits of the same model unpipelined.
@@ -37,9 +37,9 @@ impl Layout {
         Layout { tensor: 1, pipeline: stages }
     }
 
-    /// Ranks in all.
+    /// Ranks in all (saturating: [`Layout::check_ranks`] rejects a count that overflows).
     pub fn ranks(&self) -> usize {
-        self.tensor * self.pipeline
+        self.tensor.saturating_mul(self.pipeline)
     }
 
     /// An error naming the part of the layout that is zero.
@@ -49,6 +49,9 @@ impl Layout {
         }
         if self.pipeline == 0 {
             return Err(Error::param("pipeline", 0, "a model needs at least one stage"));
+        }
+        if self.tensor.checked_mul(self.pipeline).is_none() {
+            return Err(Error::param("tensor × pipeline", format!("{self:?}"), "the rank count overflows"));
         }
         Ok(())
     }
@@ -70,7 +73,8 @@ impl Layout {
     /// The layers of stage `stage` out of `layers`: contiguous runs, the first `layers % pipeline`
     /// stages one layer longer than the rest.
     pub fn stage_layers(&self, stage: usize, layers: usize) -> Range<usize> {
-        let (each, longer) = (layers / self.pipeline, layers % self.pipeline);
+        let stages = self.pipeline.max(1);
+        let (each, longer) = (layers / stages, layers % stages);
         let start = stage * each + stage.min(longer);
         start..start + each + usize::from(stage < longer)
     }

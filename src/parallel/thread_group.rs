@@ -44,10 +44,10 @@ impl ThreadGroup {
         self.meeting.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// One round: deposits this rank's `part`, waits for every rank's, and returns them all in rank
-    /// order; the last rank to read clears the round for the next. Parts of different lengths abort
-    /// the group.
-    fn meet(&self, part: Vec<f32>) -> Result<Vec<Vec<f32>>> {
+    /// One round: deposits this rank's `part`, waits for every rank's, and hands them all, in rank
+    /// order, to `read`; the last rank to read clears the round for the next. Parts of different lengths
+    /// abort the group.
+    fn meet(&self, part: Vec<f32>, read: impl FnOnce(&[&Vec<f32>])) -> Result<()> {
         let (rank, world, n) = (self.shard.rank, self.shard.world, part.len());
         // A round still being read belongs to the ranks before: wait until it is cleared.
         let mut round = self.wait_until(self.lock(), |r| r.parts[rank].is_none() && r.read == 0)?;
@@ -55,13 +55,14 @@ impl ThreadGroup {
         round.deposited += 1;
         self.meeting.changed.notify_all();
         let mut round = self.wait_until(round, |r| r.deposited == world)?;
-        let parts: Vec<Vec<f32>> = round.parts.iter().map(|p| p.clone().expect("every rank deposited")).collect();
+        let parts: Vec<&Vec<f32>> = round.parts.iter().map(|p| p.as_ref().expect("every rank deposited")).collect();
         if let Some(p) = parts.iter().position(|p| p.len() != n) {
             let len = parts[p].len();
             round.aborted = true;
             self.meeting.changed.notify_all();
             return Err(Error::param("n", n, format!("rank {p} takes part with {len} elements in the same round")));
         }
+        read(&parts);
         round.read += 1;
         if round.read == world {
             round.parts.iter_mut().for_each(|p| *p = None);
@@ -69,7 +70,7 @@ impl ThreadGroup {
             round.read = 0;
             self.meeting.changed.notify_all();
         }
-        Ok(parts)
+        Ok(())
     }
 
     /// Waits on the meeting until `ready` holds; an error once the group is aborted.
@@ -95,13 +96,14 @@ impl Collective<CpuBackend> for ThreadGroup {
 
     fn all_reduce(&self, _backend: &CpuBackend, x: &mut Vec<f32>, n: usize) -> Result<()> {
         let part = x.get(..n).ok_or_else(|| Error::shape("x", format!("at least {n} elements"), n, x.len()))?;
-        let parts = self.meet(part.to_vec())?;
-        let sum = &mut x[..n];
-        sum.copy_from_slice(&parts[0]);
-        for p in &parts[1..] {
-            sum.iter_mut().zip(p.iter()).for_each(|(s, v)| *s += v);
-        }
-        Ok(())
+        let part = part.to_vec();
+        self.meet(part, |parts| {
+            let sum = &mut x[..n];
+            sum.copy_from_slice(parts[0]);
+            for p in &parts[1..] {
+                sum.iter_mut().zip(p.iter()).for_each(|(s, v)| *s += v);
+            }
+        })
     }
 
     fn all_gather(&self, _backend: &CpuBackend, x: &Vec<f32>, n: usize, out: &mut Vec<f32>) -> Result<()> {
@@ -110,11 +112,11 @@ impl Collective<CpuBackend> for ThreadGroup {
         if out.len() < world * n {
             return Err(Error::shape("out", format!("at least {world} × {n} elements"), world * n, out.len()));
         }
-        let parts = self.meet(part.to_vec())?;
-        for (chunk, p) in out.chunks_exact_mut(n.max(1)).zip(&parts) {
-            chunk.copy_from_slice(p);
-        }
-        Ok(())
+        self.meet(part.to_vec(), |parts| {
+            for (chunk, p) in out.chunks_exact_mut(n.max(1)).zip(parts) {
+                chunk.copy_from_slice(p);
+            }
+        })
     }
 
     fn abort(&self) {
