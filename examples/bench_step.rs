@@ -13,9 +13,11 @@
 //! with the routed and shared experts, the dense MLP and lm_head divided by eight and no communication.
 //!
 //! With `--pipeline 2,4` it instead times the decode and tree steps through pipeline stages
-//! ([`ShardedModel::random`]) of 1 and each given count, every stage on the same device, and prints
-//! each count's step beside one stage's and the difference per stage boundary: what handing the rows
-//! from stage to stage through the host costs (the stages' own work adds up to one stage's).
+//! ([`ShardedModel::random`]) of 1 and each given count, and prints each count's step beside one
+//! stage's and the difference per stage boundary: with every stage on the same device (`--tensor 1`),
+//! what handing the rows from stage to stage through the host costs (the stages' own work adds up to
+//! one stage's). `--tensor N` splits every stage over N ranks (N GPUs a stage with `--gpu`, CPU threads
+//! without) and adds each layout's communication, the sums (and the logits' gather) of a profiled step.
 //!
 //! ```text
 //! cargo run --release --features cuda --example bench_step -- --gpu --heads 64
@@ -34,7 +36,7 @@ use clap::Parser;
 use kdtree_engine::model::backend::Backend;
 use kdtree_engine::model::config::Config;
 use kdtree_engine::model::{Logits, Model, Stage, StageTime, StepRequest, TreeInput};
-use kdtree_engine::parallel::{Layout, ShardedCache, ShardedModel};
+use kdtree_engine::parallel::{Collective, Layout, ShardedCache, ShardedModel};
 use kdtree_engine::{Error, Result};
 
 #[derive(Parser, Debug)]
@@ -74,6 +76,10 @@ struct Args {
     /// per-stage table.
     #[arg(long, value_delimiter = ',')]
     pipeline: Vec<usize>,
+    /// Ranks a stage for the `--pipeline` table (GPUs 0.. with `--gpu`); with more than 1 the table is
+    /// made even without `--pipeline`.
+    #[arg(long, default_value_t = 1)]
+    tensor: usize,
 }
 
 /// Kimi-K2's shape (config.json of moonshotai/Kimi-K2-Instruct, research/kimi-int4.md) with `layers`
@@ -115,17 +121,21 @@ fn run(args: &Args) -> Result<()> {
     if let Some(&n) = args.trees.iter().find(|&&n| n == 0 || n > 257) {
         return Err(Error::param("--trees", n, "tree rows must be in 1..=257"));
     }
+    let split = !args.pipeline.is_empty() || args.tensor > 1;
     if !args.gpu {
-        if !args.pipeline.is_empty() {
-            return bench_pipeline(args, config, || Ok(kdtree_engine::cpu::backend::CpuBackend));
+        if split {
+            return bench_pipeline(args, config, kdtree_engine::parallel::cpu_ranks);
         }
         return bench(args, Model::random(config, kdtree_engine::cpu::backend::CpuBackend, 1)?);
     }
     #[cfg(feature = "cuda")]
     {
         use kdtree_engine::cuda::{backend::CudaBackend, Gpu};
-        if !args.pipeline.is_empty() {
-            return bench_pipeline(args, config, || CudaBackend::new(Gpu::new(0)?));
+        if split {
+            // Stages of one rank share GPU 0; with more ranks a stage, one rank a GPU.
+            let ordinals =
+                |l: Layout| if l.tensor == 1 { vec![0; l.pipeline] } else { (0..l.ranks()).collect::<Vec<_>>() };
+            return bench_pipeline(args, config, |l| kdtree_engine::parallel::cuda_ranks(l, &ordinals(l)));
         }
         bench(args, Model::random(config, CudaBackend::new(Gpu::new(0)?)?, 1)?)
     }
@@ -194,10 +204,14 @@ fn bench<B: Backend>(args: &Args, model: Model<B>) -> Result<()> {
     report(args, &model.backend().name(), &c, &rows)
 }
 
-/// The decode and tree steps of `args` through 1 and each `--pipeline` count of stages, each stage on
-/// its own backend from `backend` (the same device), one micro-batch a step: a table of the mean step
-/// times (graphs on) and of the difference to one stage per stage boundary.
-fn bench_pipeline<B: Backend>(args: &Args, config: Config, backend: impl Fn() -> Result<B>) -> Result<()> {
+/// The decode and tree steps of `args` through 1 and each `--pipeline` count of stages of `--tensor`
+/// ranks each, made by `ranks`, one micro-batch a step: a table of the mean step times (graphs on), of
+/// each layout's communication in a profiled step, and of the difference to one stage per boundary.
+fn bench_pipeline<B: Backend>(
+    args: &Args,
+    config: Config,
+    ranks: impl Fn(Layout) -> Result<Vec<(B, std::sync::Arc<dyn Collective<B>>)>>,
+) -> Result<()> {
     let mut counts = vec![1];
     for &p in &args.pipeline {
         if p == 0 || p > config.num_hidden_layers {
@@ -209,27 +223,32 @@ fn bench_pipeline<B: Backend>(args: &Args, config: Config, backend: impl Fn() ->
     }
     let mut names = Vec::new();
     let mut times: Vec<Vec<Duration>> = Vec::new();
+    let mut comms: Vec<Vec<Duration>> = Vec::new();
     for &p in &counts {
-        let backends = (0..p).map(|_| backend()).collect::<Result<Vec<B>>>()?;
-        let mut model = ShardedModel::random(config.clone(), Layout::pipeline(p), backends, 1)?;
+        let layout = Layout { tensor: args.tensor, pipeline: p };
+        let mut model = ShardedModel::random(config.clone(), layout, ranks(layout)?, 1)?;
         model.set_micro_batches(1)?;
         let steps = time_pipeline_steps(args, &model)?;
-        names = steps.iter().map(|(n, _)| n.clone()).collect();
-        times.push(steps.into_iter().map(|(_, t)| t).collect());
+        names = steps.iter().map(|s| s.name.clone()).collect();
+        times.push(steps.iter().map(|s| s.step).collect());
+        comms.push(steps.iter().map(|s| s.communication).collect());
     }
     println!(
-        "{} pipeline stages on one device, {} layers, {} heads, prefix {}, graph steps (ms):",
-        args.pipeline.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("/"),
+        "{} pipeline stages of {} rank(s), {} layers, {} heads, prefix {}, graph steps and profiled communication (ms):",
+        counts.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("/"),
+        args.tensor,
         config.num_hidden_layers,
         config.num_attention_heads,
         args.prefix
     );
-    let head: Vec<String> = counts.iter().map(|&p| format!("{p} stage{}", if p == 1 { "" } else { "s" })).collect();
-    let per: Vec<String> = counts[1..].iter().map(|p| format!("hand-over ({p})")).collect();
+    let label = |p: usize| format!("{}x{p}", args.tensor);
+    let head: Vec<String> = counts.iter().map(|&p| format!("{} step | {} comm", label(p), label(p))).collect();
+    let per: Vec<String> = counts[1..].iter().map(|&p| format!("hand-over ({})", label(p))).collect();
     println!("| step | {} | {} |", head.join(" | "), per.join(" | "));
-    println!("|---|{}{}", "---|".repeat(head.len()), "---|".repeat(per.len()));
+    println!("|---|{}{}", "---|".repeat(2 * head.len()), "---|".repeat(per.len()));
     for (i, name) in names.iter().enumerate() {
-        let cells: Vec<String> = times.iter().map(|t| format!("{:.3}", ms(t[i]))).collect();
+        let cells: Vec<String> =
+            times.iter().zip(&comms).map(|(t, c)| format!("{:.3} | {:.3}", ms(t[i]), ms(c[i]))).collect();
         let boundary: Vec<String> = counts[1..]
             .iter()
             .zip(&times[1..])
@@ -240,12 +259,19 @@ fn bench_pipeline<B: Backend>(args: &Args, config: Config, backend: impl Fn() ->
     Ok(())
 }
 
+/// One step shape through a split model: its mean graph step and the communication of a profiled one.
+struct SplitStep {
+    name: String,
+    step: Duration,
+    communication: Duration,
+}
+
 /// Prefills every sequence, then times each decode batch and tree shape of `args` through `model`.
-fn time_pipeline_steps<B: Backend>(args: &Args, model: &ShardedModel<B>) -> Result<Vec<(String, Duration)>> {
+fn time_pipeline_steps<B: Backend>(args: &Args, model: &ShardedModel<B>) -> Result<Vec<SplitStep>> {
     let vocab = model.config().vocab_size;
     let max_batch = args.batches.iter().chain(&args.tree_batches).copied().max().unwrap_or(1);
     let max_tree = args.trees.iter().copied().max().unwrap_or(1);
-    let len = args.prefix + (args.steps + 2) * (args.batches.len() + 2) + max_tree + 8;
+    let len = args.prefix + (args.steps + 3) * (args.batches.len() + 2) + max_tree + 8;
     let page = 64;
     let mut cache = model.new_cache(max_batch * len.div_ceil(page), page, len)?;
     let seqs: Vec<usize> = (0..max_batch).map(|_| cache.add_sequence()).collect();
@@ -260,7 +286,7 @@ fn time_pipeline_steps<B: Backend>(args: &Args, model: &ShardedModel<B>) -> Resu
     for &batch in &args.batches {
         let tokens: Vec<u32> = (0..batch).map(token).collect();
         let requests = decode_requests(&seqs[..batch], &tokens);
-        times.push((format!("decode bs {batch}"), time_sharded(model, &mut cache, &requests, args.steps)?));
+        times.push(time_split_step(model, &mut cache, &requests, format!("decode bs {batch}"), args.steps)?);
     }
     for &n in &args.trees {
         let (depth, visibility) = heap_tree(n);
@@ -269,24 +295,33 @@ fn time_pipeline_steps<B: Backend>(args: &Args, model: &ShardedModel<B>) -> Resu
             let tree = Some(TreeInput { depth: &depth, visibility: &visibility });
             let requests: Vec<StepRequest> =
                 seqs[..batch].iter().map(|&seq| StepRequest { seq, tokens: &tokens, tree }).collect();
-            let time = time_sharded(model, &mut cache, &requests, args.steps)?;
-            times.push((format!("tree N {n} bs {batch}"), time));
+            times.push(time_split_step(model, &mut cache, &requests, format!("tree N {n} bs {batch}"), args.steps)?);
         }
     }
     Ok(times)
 }
 
-/// The mean step time of `requests` through `model` over `steps` steps, after two warm-up steps.
-fn time_sharded<B: Backend>(
+/// The mean step time of `requests` through `model` over `steps` steps, after two warm-up steps, and
+/// the communication of one profiled step.
+fn time_split_step<B: Backend>(
     model: &ShardedModel<B>,
     cache: &mut ShardedCache<B>,
     requests: &[StepRequest],
+    name: String,
     steps: usize,
-) -> Result<Duration> {
+) -> Result<SplitStep> {
     let step = mean_step(steps, || model.step_argmax(cache, requests, Logits::Last).map(drop))?;
-    let rows: usize = requests.iter().map(|r| r.tokens.len()).sum();
-    eprintln!("{} stage(s), {rows} rows: {:.3} ms a step", model.layout().pipeline, ms(step));
-    Ok(step)
+    let profiled = model.profile_step(cache, requests, Logits::Last)?;
+    let communication = profiled.iter().filter(|t| t.stage == Stage::Communication).map(|t| t.time).sum();
+    let layout = model.layout();
+    eprintln!(
+        "{}x{} {name}: {:.3} ms a step, {:.3} ms communication",
+        layout.tensor,
+        layout.pipeline,
+        ms(step),
+        ms(communication)
+    );
+    Ok(SplitStep { name, step, communication })
 }
 
 /// One decode token of `tokens` for each sequence of `seqs`.

@@ -17,8 +17,8 @@ use common::worst_rel_l2;
 use kdtree_engine::cpu::backend::CpuBackend;
 use kdtree_engine::fixture::Fixture;
 use kdtree_engine::model::backend::Backend;
-use kdtree_engine::model::{Drafter, Logits, Model, StepRequest, TreeInput};
-use kdtree_engine::parallel::{Layout, ShardedCache, ShardedModel};
+use kdtree_engine::model::{Drafter, Logits, Model, Stage, StepRequest, TreeInput};
+use kdtree_engine::parallel::{cpu_ranks, Layout, ShardedCache, ShardedModel};
 use kdtree_engine::spec::{DflashProposer, Engine, EngineConfig, Mode, NgramProposer, Proposer, RequestParams, Target};
 use kdtree_engine::Error;
 
@@ -422,27 +422,36 @@ fn pipeline_errors_name_the_problem_and_leave_the_stages_ready() {
     assert_bits_equal(&got, &prefill(&staged, &p), "the step after the errors");
 }
 
-/// Random pipeline stages (for measuring at real dimensions) step a batch to one token a request, and a
-/// tensor split or a backend count that does not match the layout is an error naming it.
+/// Random weights split by a layout (for measuring at real dimensions) step a batch to one token a
+/// request; the profile of a split step has every layer, stage by stage, and the sums over the ranks;
+/// ranks that are not the layout's are an error naming them.
 #[test]
-fn random_pipeline_stages_step_and_name_bad_layouts() {
+fn random_split_models_step_profile_and_name_bad_ranks() {
     let config = kdtree_engine::model::config::Config::from_file(checkpoints()[0].join("config.json")).unwrap();
-    let staged = ShardedModel::random(config.clone(), Layout::pipeline(2), vec![CpuBackend, CpuBackend], 7).unwrap();
-    let mut cache = sharded_cache(&staged);
-    let seqs = [cache.add_sequence(), cache.add_sequence()];
-    let requests = [
-        StepRequest { seq: seqs[0], tokens: &[1, 2, 3], tree: None },
-        StepRequest { seq: seqs[1], tokens: &[4], tree: None },
-    ];
-    let ids = staged.step_argmax(&mut cache, &requests, Logits::Last).unwrap();
-    assert_eq!(ids.len(), 2);
-    assert!(ids.iter().all(|&t| (t as usize) < config.vocab_size), "{ids:?}");
-    assert_eq!(cache.len(seqs[0]).unwrap(), 3);
-    let layout = Layout { tensor: 2, pipeline: 1 };
-    let err = ShardedModel::random(config.clone(), layout, vec![CpuBackend; 2], 7).err().expect("a tensor split");
-    assert!(matches!(err, Error::Param { name: "tensor", .. }), "{err}");
-    let err = ShardedModel::random(config, Layout::pipeline(2), vec![CpuBackend], 7).err().expect("one backend");
-    assert!(matches!(err, Error::Param { name: "backends", .. }), "{err}");
+    for layout in [Layout::pipeline(2), Layout { tensor: 2, pipeline: 2 }, Layout::tensor(4)] {
+        let split = ShardedModel::random(config.clone(), layout, cpu_ranks(layout).unwrap(), 7).unwrap();
+        let mut cache = sharded_cache(&split);
+        let seqs = [cache.add_sequence(), cache.add_sequence()];
+        let requests = [
+            StepRequest { seq: seqs[0], tokens: &[1, 2, 3], tree: None },
+            StepRequest { seq: seqs[1], tokens: &[4], tree: None },
+        ];
+        let ids = split.step_argmax(&mut cache, &requests, Logits::Last).unwrap();
+        assert_eq!(ids.len(), 2, "{layout:?}");
+        assert!(ids.iter().all(|&t| (t as usize) < config.vocab_size), "{layout:?}: {ids:?}");
+        assert_eq!(cache.len(seqs[0]).unwrap(), 3);
+        let decode = [StepRequest { seq: seqs[0], tokens: &[5], tree: None }];
+        let profile = split.profile_step(&mut cache, &decode, Logits::Last).unwrap();
+        let layers: Vec<usize> = profile.iter().filter_map(|t| t.layer).collect();
+        assert!(layers.windows(2).all(|w| w[0] <= w[1]), "{layout:?}: layers out of order {layers:?}");
+        assert_eq!(layers.first().zip(layers.last()), Some((&0, &(config.num_hidden_layers - 1))), "{layout:?}");
+        let sums = profile.iter().filter(|t| t.stage == Stage::Communication).count();
+        assert_eq!(sums, 2 * config.num_hidden_layers + usize::from(layout.tensor > 1), "{layout:?}: sums");
+    }
+    let err = ShardedModel::random(config, Layout::pipeline(2), cpu_ranks(Layout::pipeline(1)).unwrap(), 7)
+        .err()
+        .expect("one rank for two stages");
+    assert!(matches!(err, Error::Param { name: "ranks", .. }), "{err}");
 }
 
 #[cfg(feature = "cuda")]

@@ -595,15 +595,26 @@ impl<B: Backend> Model<B> {
     /// outputs mean nothing.
     pub fn random(config: Config, backend: B, seed: u64) -> Result<Self> {
         let stage = StageLinks::whole(config.num_hidden_layers);
-        Self::random_stage(config, backend, seed, stage)
+        Self::random_stage(config, backend, seed, None, stage)
     }
 
-    /// Like [`Model::random`], but only the layers of `stage`, a pipeline stage of one rank.
-    pub(crate) fn random_stage(config: Config, backend: B, seed: u64, stage: StageLinks) -> Result<Self> {
+    /// Like [`Model::random`], but only the layers of `stage` (a pipeline stage), each of the shape of
+    /// `group`'s rank's share (its heads, intermediate features, routed experts and vocabulary rows).
+    pub(crate) fn random_stage(
+        config: Config,
+        backend: B,
+        seed: u64,
+        group: Option<Arc<dyn Collective<B>>>,
+        stage: StageLinks,
+    ) -> Result<Self> {
         let c = &config;
         check_mla_dims(c)?;
+        let shard = group.as_ref().map_or(Shard::WHOLE, |g| g.shard());
+        check_split(c, shard)?;
         let b = &backend;
-        let (h, heads, nope, v) = (c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim);
+        let world = shard.world;
+        let (h, heads, nope, v) = (c.hidden_size, c.num_attention_heads / world, c.qk_nope_head_dim, c.v_head_dim);
+        let experts = c.n_routed_experts / world;
         // Each weight its own seed, from a linear congruential sequence.
         let next = std::cell::Cell::new(seed);
         let seed = || {
@@ -635,28 +646,31 @@ impl<B: Backend> Model<B> {
                 Ok(Mlp { gate_up: dense(2 * inter, h)?.w, down: dense(h, inter)?.w, inter })
             };
             let ffn = if c.is_moe_layer(i) {
-                let shared =
-                    (c.n_shared_experts > 0).then(|| mlp(c.moe_intermediate_size * c.n_shared_experts)).transpose()?;
+                let shared_inter = c.moe_intermediate_size * c.n_shared_experts / world;
+                let shared = (c.n_shared_experts > 0).then(|| mlp(shared_inter)).transpose()?;
                 FeedForward::Moe(Box::new(Moe {
                     router: dense(c.n_routed_experts, h)?.w,
                     bias: b.zeros(c.n_routed_experts)?,
-                    experts: b.random_experts(c.n_routed_experts, h, c.moe_intermediate_size, seed())?,
-                    share: ExpertShare { first: 0, total: c.n_routed_experts },
+                    experts: b.random_experts(experts, h, c.moe_intermediate_size, seed())?,
+                    share: ExpertShare { first: shard.rank * experts, total: c.n_routed_experts },
                     shared,
                     top_k: c.num_experts_per_tok,
                     scaling: c.routed_scaling_factor,
                 }))
             } else {
-                FeedForward::Dense(mlp(c.intermediate_size)?)
+                FeedForward::Dense(mlp(c.intermediate_size / world)?)
             };
             let norm = ones(h, c.rms_norm_eps)?;
             layers.push(Layer { input_norm: norm, attn, post_attn_norm: ones(h, c.rms_norm_eps)?, ffn });
         }
         let embed = Arc::new(b.random_table(c.vocab_size, h, seed())?);
-        let lm_head = Arc::new(b.random_linear(1, c.vocab_size, h, seed())?);
+        let vocab_split = (world > 1 && c.vocab_size.is_multiple_of(world)).then_some(shard);
+        let head_rows = if vocab_split.is_some() { c.vocab_size / world } else { c.vocab_size };
+        let lm_head = Arc::new(b.random_linear(1, head_rows, h, seed())?);
         let norm = ones(h, c.rms_norm_eps)?;
-        let mut model = Model::from_parts(config, embed, layers, norm, lm_head, Arc::new(backend), None)?;
+        let mut model = Model::from_parts(config, embed, layers, norm, lm_head, Arc::new(backend), group)?;
         model.stage = stage;
+        model.vocab_split = vocab_split;
         Ok(model)
     }
 
@@ -863,13 +877,24 @@ impl<B: Backend> Model<B> {
         requests: &[StepRequest],
         which: Logits,
     ) -> Result<Vec<StageTime>> {
+        self.check_not_staged()?;
+        self.stage_profile_step(cache, requests, which)
+    }
+
+    /// [`Model::profile_step`] of a pipeline stage: the times of its own layers (and of the embedding or
+    /// lm_head where it runs them).
+    pub(crate) fn stage_profile_step(
+        &self,
+        cache: &mut KvCache<B>,
+        requests: &[StepRequest],
+        which: Logits,
+    ) -> Result<Vec<StageTime>> {
         let mut laps = Laps {
             backend: &*self.backend,
             on: true,
             layer: None,
             marks: vec![(None, Stage::Elementwise, self.backend.mark()?)],
         };
-        self.check_not_staged()?;
         self.run_step(cache, requests, which, Wanted::ARGMAX, &mut laps, |_, _, _, _| Ok(()))?;
         let b = &*self.backend;
         laps.marks

@@ -39,7 +39,7 @@ use crate::error::{Error, Result};
 use crate::model::backend::Backend;
 use crate::model::config::Config;
 use crate::model::weights::Checkpoint;
-use crate::model::{HiddenStep, KvCache, Logits, Model, StepRequest, TreeCommit};
+use crate::model::{HiddenStep, KvCache, Logits, Model, StageTime, StepRequest, TreeCommit};
 use pipeline::{micro_batches, Mailbox, StageLinks};
 
 /// One rank's place in a group of `world` ranks.
@@ -125,59 +125,77 @@ impl ShardedModel<CpuBackend> {
     /// Loads a checkpoint directory split by `layout` over CPU ranks in threads of this process.
     pub fn load_cpu(dir: impl AsRef<Path>, layout: Layout) -> Result<Self> {
         check_layout(dir.as_ref(), layout)?;
-        let mut ranks = Vec::with_capacity(layout.ranks());
-        for _ in 0..layout.pipeline {
-            let groups = ThreadGroup::new(layout.tensor)?;
-            ranks.extend(groups.into_iter().map(|g| (CpuBackend, Arc::new(g) as Arc<dyn Collective<CpuBackend>>)));
-        }
-        Self::load(dir, layout, ranks)
+        Self::load(dir, layout, cpu_ranks(layout)?)
     }
+}
+
+/// Most CPU ranks [`cpu_ranks`] makes (threads of this process).
+pub const MAX_CPU_RANKS: usize = 1024;
+
+/// A backend and its stage's tensor-parallel group on the CPU.
+pub type CpuRank = (CpuBackend, Arc<dyn Collective<CpuBackend>>);
+
+/// CPU ranks for `layout`, stage by stage: each stage's tensor ranks a [`ThreadGroup`].
+pub fn cpu_ranks(layout: Layout) -> Result<Vec<CpuRank>> {
+    layout.check_ranks()?;
+    if layout.ranks() > MAX_CPU_RANKS {
+        return Err(Error::param("tensor × pipeline", layout.ranks(), format!("at most {MAX_CPU_RANKS} CPU ranks")));
+    }
+    let mut ranks = Vec::with_capacity(layout.ranks());
+    for _ in 0..layout.pipeline {
+        let groups = ThreadGroup::new(layout.tensor)?;
+        ranks.extend(groups.into_iter().map(|g| (CpuBackend, Arc::new(g) as Arc<dyn Collective<CpuBackend>>)));
+    }
+    Ok(ranks)
 }
 
 #[cfg(feature = "cuda")]
 impl ShardedModel<crate::cuda::backend::CudaBackend> {
-    /// Loads a checkpoint directory split by `layout` over the GPUs `ordinals` (rank order: stage by
-    /// stage), each stage's ranks summing through NCCL. A GPU may serve several stages (their rows pass
-    /// through the host), but only one rank of a stage.
+    /// Loads a checkpoint directory split by `layout` over the GPUs `ordinals` ([`cuda_ranks`]).
     pub fn load_cuda(dir: impl AsRef<Path>, layout: Layout, ordinals: &[usize]) -> Result<Self> {
-        use crate::cuda::backend::CudaBackend;
         check_layout(dir.as_ref(), layout)?;
-        if ordinals.len() != layout.ranks() {
-            return Err(Error::param(
-                "ordinals",
-                format!("{ordinals:?}"),
-                format!("the layout {layout:?} needs {} GPUs, one a rank", layout.ranks()),
-            ));
-        }
-        // Communicators of two stages on one device, used at once from two threads, may deadlock unless
-        // their operations are issued in one order; stages of one rank each have none that wait.
-        if layout.tensor > 1 {
-            if let Some(i) = (1..ordinals.len()).find(|&i| ordinals[..i].contains(&ordinals[i])) {
-                return Err(Error::param(
-                    "ordinals",
-                    format!("{ordinals:?}"),
-                    format!("GPU {} is named twice: with {} ranks a stage, one rank a GPU", ordinals[i], layout.tensor),
-                ));
-            }
-        }
-        let mut ranks = Vec::with_capacity(ordinals.len());
-        for stage in ordinals.chunks(layout.tensor) {
-            if let Some(i) = (1..stage.len()).find(|&i| stage[..i].contains(&stage[i])) {
-                return Err(Error::param(
-                    "ordinals",
-                    format!("{ordinals:?}"),
-                    format!("GPU {} is named twice in one stage: one rank of a stage a GPU", stage[i]),
-                ));
-            }
-            let backends: Vec<CudaBackend> =
-                stage.iter().map(|&o| CudaBackend::new(crate::cuda::Gpu::new(o)?)).collect::<Result<_>>()?;
-            let groups = nccl::NcclGroup::new(&backends)?;
-            ranks.extend(
-                backends.into_iter().zip(groups).map(|(b, g)| (b, Arc::new(g) as Arc<dyn Collective<CudaBackend>>)),
-            );
-        }
-        Self::load(dir, layout, ranks)
+        Self::load(dir, layout, cuda_ranks(layout, ordinals)?)
     }
+}
+
+/// A backend and its stage's tensor-parallel group on a GPU.
+#[cfg(feature = "cuda")]
+pub type CudaRank = (crate::cuda::backend::CudaBackend, Arc<dyn Collective<crate::cuda::backend::CudaBackend>>);
+
+/// GPU ranks for `layout` on the GPUs `ordinals` (rank order: stage by stage), each stage's ranks an
+/// NCCL group. A GPU may serve several stages of one rank each (their rows pass through the host);
+/// with more ranks a stage, one rank a GPU.
+#[cfg(feature = "cuda")]
+pub fn cuda_ranks(layout: Layout, ordinals: &[usize]) -> Result<Vec<CudaRank>> {
+    use crate::cuda::backend::CudaBackend;
+    layout.check_ranks()?;
+    if ordinals.len() != layout.ranks() {
+        return Err(Error::param(
+            "ordinals",
+            format!("{ordinals:?}"),
+            format!("the layout {layout:?} needs {} GPUs, one a rank", layout.ranks()),
+        ));
+    }
+    // Communicators of two stages on one device, used at once from two threads, may deadlock unless
+    // their operations are issued in one order; stages of one rank each have none that wait.
+    let twice = |gpus: &[usize]| (1..gpus.len()).find(|&i| gpus[..i].contains(&gpus[i])).map(|i| gpus[i]);
+    if let Some(gpu) = (layout.tensor > 1).then(|| twice(ordinals)).flatten() {
+        return Err(Error::param(
+            "ordinals",
+            format!("{ordinals:?}"),
+            format!("GPU {gpu} is named twice: with {} ranks a stage, one rank a GPU", layout.tensor),
+        ));
+    }
+    let mut ranks = Vec::with_capacity(ordinals.len());
+    for stage in ordinals.chunks(layout.tensor) {
+        let backends: Vec<CudaBackend> =
+            stage.iter().map(|&o| CudaBackend::new(crate::cuda::Gpu::new(o)?)).collect::<Result<_>>()?;
+        let groups = nccl::NcclGroup::new(&backends)?;
+        ranks.extend(
+            backends.into_iter().zip(groups).map(|(b, g)| (b, Arc::new(g) as Arc<dyn Collective<CudaBackend>>)),
+        );
+    }
+    Ok(ranks)
 }
 
 impl<B: Backend> ShardedModel<B> {
@@ -187,25 +205,10 @@ impl<B: Backend> ShardedModel<B> {
         let dir = dir.as_ref();
         let config = Config::from_file(dir.join("config.json"))?;
         layout.check(config.num_hidden_layers)?;
-        if ranks.len() != layout.ranks() {
-            return Err(Error::param(
-                "ranks",
-                ranks.len(),
-                format!("the layout {layout:?} needs {} ranks", layout.ranks()),
-            ));
-        }
-        let tensor = layout.tensor;
+        check_groups(layout, &ranks)?;
         let (links, mailboxes) = stage_links(layout, config.num_hidden_layers);
         let mut models = Vec::with_capacity(ranks.len());
-        for (rank, ((backend, group), links)) in ranks.into_iter().zip(links).enumerate() {
-            let (stage, t) = (rank / tensor, rank % tensor);
-            if group.shard() != (Shard { rank: t, world: tensor }) {
-                return Err(Error::param(
-                    "ranks",
-                    format!("{:?}", group.shard()),
-                    format!("entry {rank} must be rank {t} of a group of {tensor} (stage {stage})"),
-                ));
-            }
+        for ((backend, group), links) in ranks.into_iter().zip(links) {
             // Each rank its own view of the (memory-mapped) files, so each checks that it read them all.
             let ckpt = Checkpoint::open(dir)?;
             models.push(Model::from_checkpoint_stage(config.clone(), &ckpt, backend, group, links)?);
@@ -213,33 +216,22 @@ impl<B: Backend> ShardedModel<B> {
         Ok(ShardedModel { ranks: models, layout, mailboxes, micro_batches: layout.pipeline })
     }
 
-    /// A model of `config`'s shape with random weights ([`Model::random`]) in `layout`'s pipeline
-    /// stages, one on each backend of `backends` (stage order): for measuring the stages and their
-    /// hand-over at real dimensions. Each stage has its own weights, so the outputs mean nothing.
-    pub fn random(config: Config, layout: Layout, backends: Vec<B>, seed: u64) -> Result<Self> {
+    /// A model of `config`'s shape with random weights ([`Model::random`]) split by `layout` over
+    /// `ranks` (as [`ShardedModel::load`] takes them: [`cpu_ranks`], or `cuda_ranks` with `cuda`), for
+    /// measuring the split at real dimensions. Each rank has its own weights: the outputs mean nothing.
+    pub fn random(config: Config, layout: Layout, ranks: Vec<(B, Arc<dyn Collective<B>>)>, seed: u64) -> Result<Self> {
         layout.check(config.num_hidden_layers)?;
-        if layout.tensor != 1 {
-            return Err(Error::param(
-                "tensor",
-                layout.tensor,
-                "random weights are made for stages of one rank; a tensor split loads a checkpoint",
-            ));
-        }
-        if backends.len() != layout.ranks() {
-            return Err(Error::param(
-                "backends",
-                backends.len(),
-                format!("the layout {layout:?} needs {}", layout.ranks()),
-            ));
-        }
+        check_groups(layout, &ranks)?;
         let (links, mailboxes) = stage_links(layout, config.num_hidden_layers);
-        let ranks = backends
+        let models = ranks
             .into_iter()
             .zip(links)
             .enumerate()
-            .map(|(rank, (b, links))| Model::random_stage(config.clone(), b, seed.wrapping_add(rank as u64), links))
+            .map(|(rank, ((b, group), links))| {
+                Model::random_stage(config.clone(), b, seed.wrapping_add(rank as u64), Some(group), links)
+            })
             .collect::<Result<_>>()?;
-        Ok(ShardedModel { ranks, layout, mailboxes, micro_batches: layout.pipeline })
+        Ok(ShardedModel { ranks: models, layout, mailboxes, micro_batches: layout.pipeline })
     }
 
     /// How the model is split.
@@ -329,6 +321,19 @@ impl<B: Backend> ShardedModel<B> {
             logits: last.iter().flat_map(|p| p.logits.iter().copied()).collect(),
             hidden,
         })
+    }
+
+    /// [`Model::profile_step`] on every rank at once, one micro-batch: tensor rank 0's stage times of
+    /// each stage, stage by stage (its layers; the sums over its group in [`crate::model::Stage::Communication`]).
+    /// With several stages on one device their times add up to what one stage would take.
+    pub fn profile_step(
+        &self,
+        cache: &mut ShardedCache<B>,
+        requests: &[StepRequest],
+        which: Logits,
+    ) -> Result<Vec<StageTime>> {
+        let parts = self.on_every_rank(cache, requests, &[requests], |m, c, r| m.stage_profile_step(c, r, which))?;
+        Ok(parts.into_iter().step_by(self.layout.tensor).flatten().flatten().collect())
     }
 
     /// The runs of requests a step is cut into ([`ShardedModel::set_micro_batches`]).
@@ -443,6 +448,29 @@ impl<B: Backend> ShardedModel<B> {
         self.ranks.iter().for_each(|m| m.reset_group());
         self.mailboxes.iter().for_each(|m| m.reset());
     }
+}
+
+/// That `ranks` are `layout`'s: as many, each entry's group its stage's, in rank order.
+fn check_groups<B: Backend>(layout: Layout, ranks: &[(B, Arc<dyn Collective<B>>)]) -> Result<()> {
+    if ranks.len() != layout.ranks() {
+        return Err(Error::param(
+            "ranks",
+            ranks.len(),
+            format!("the layout {layout:?} needs {} ranks", layout.ranks()),
+        ));
+    }
+    let tensor = layout.tensor;
+    for (rank, (_, group)) in ranks.iter().enumerate() {
+        let (stage, t) = (rank / tensor, rank % tensor);
+        if group.shard() != (Shard { rank: t, world: tensor }) {
+            return Err(Error::param(
+                "ranks",
+                format!("{:?}", group.shard()),
+                format!("entry {rank} must be rank {t} of a group of {tensor} (stage {stage})"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `layout` against the checkpoint's config in `dir`, before any rank is made: an error naming a part
