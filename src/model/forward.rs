@@ -1328,14 +1328,14 @@ impl<B: Backend> Model<B> {
     }
 
     /// Completes a split block's output `x[..n]` (this rank's partial sum) with the other ranks'; nothing
-    /// to do for a whole model.
+    /// to do for a whole model or a group of one rank (a pipeline stage of one rank).
     fn sum_over_ranks(&self, x: &mut B::Buf<f32>, n: usize, laps: &mut Laps<B>) -> Result<()> {
         match &self.group {
-            Some(group) => {
+            Some(group) if group.shard().world > 1 => {
                 group.all_reduce(&self.backend, x, n)?;
                 laps.lap(Stage::Communication)
             }
-            None => Ok(()),
+            _ => Ok(()),
         }
     }
 
