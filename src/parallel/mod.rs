@@ -368,8 +368,9 @@ impl<B: Backend> ShardedModel<B> {
 
     /// Runs `f` on every rank for each run of requests in turn, each rank in its own thread (the
     /// collectives and the stages need them all at once), and returns every rank's results, `[rank][run]`,
-    /// or the first error in rank order. The whole step is checked and its cache pages reserved on every
-    /// rank first, so a bad request fails before any run has moved a cache; after a failure later on,
+    /// or the first error in rank order. A step cut into several runs is checked whole and its cache
+    /// pages reserved on every rank first, so a bad request fails before any run has moved a cache (one
+    /// run checks itself before it moves anything); after a failure later on,
     /// every rank's sequences are set back to their lengths before the step. A rank that fails (or
     /// panics) aborts its own group and every mailbox, so the others return instead of waiting for it:
     /// the other stages fail at their next hand-over, where all their ranks stand at once, never inside
@@ -382,8 +383,11 @@ impl<B: Backend> ShardedModel<B> {
         f: impl Fn(&Model<B>, &mut KvCache<B>, &[StepRequest]) -> Result<T> + Sync,
     ) -> Result<Vec<Vec<T>>> {
         self.check_ranks(cache)?;
-        for (model, cache) in self.ranks.iter().zip(&mut cache.ranks) {
-            model.check_step(cache, requests)?;
+        // One run is checked whole by the step itself; several are checked here first, once.
+        if runs.len() > 1 {
+            for (model, cache) in self.ranks.iter().zip(&mut cache.ranks) {
+                model.check_step(cache, requests)?;
+            }
         }
         let every_run = |model: &Model<B>, cache: &mut KvCache<B>| -> Result<Vec<T>> {
             runs.iter().map(|run| f(model, cache, run)).collect()
