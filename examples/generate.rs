@@ -22,7 +22,7 @@ mod common;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::Parser;
 use kdtree_engine::model::backend::Backend;
@@ -43,7 +43,7 @@ struct Args {
     #[arg(long, default_value = "It is a truth universally acknowledged, that")]
     prompt: String,
     /// Take the batch's prompts from this text instead: request i gets the opening tokens of the i-th of
-    /// `--batch` paragraphs spread evenly over the file (the first one's text is printed).
+    /// `--batch` (× `--rounds`) paragraphs spread evenly over the file (the first one's text is printed).
     #[arg(long)]
     prompts: Option<PathBuf>,
     /// Tokens of each prompt cut by `--prompts`.
@@ -86,6 +86,10 @@ struct Args {
     /// text is printed).
     #[arg(long, default_value_t = 1)]
     batch: usize,
+    /// Batches run one after another on the same engine (with `--prompts`, each takes the next
+    /// `--batch` prompts); the rates are over all of them, for steadier figures than one short run.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
     /// Ranks sharing each layer (tensor and expert parallel): CPU threads, or GPUs with `--gpu`.
     #[arg(long, default_value_t = 1)]
     tensor: usize,
@@ -104,6 +108,9 @@ fn check_args(args: &Args) -> Result<()> {
     }
     if args.max_tokens == 0 {
         return Err(Error::param("--max-tokens", 0, "must be at least 1"));
+    }
+    if args.rounds == 0 {
+        return Err(Error::param("--rounds", 0, "must be at least 1"));
     }
     if args.batch == 0 {
         return Err(Error::param("--batch", 0, "must be at least 1"));
@@ -147,8 +154,8 @@ fn run(args: &Args) -> Result<()> {
 /// The batch's prompts (text, token ids), each checked against the model's context.
 fn encode_prompts(args: &Args, tokenizer: &Tokenizer, context: usize) -> Result<Vec<(String, Vec<u32>)>> {
     let prompts = match &args.prompts {
-        Some(path) => cut_prompts(path, args.batch, args.prompt_tokens, tokenizer)?,
-        None => vec![encode_prompt(args, tokenizer)?; args.batch],
+        Some(path) => cut_prompts(path, args.batch * args.rounds, args.prompt_tokens, tokenizer)?,
+        None => vec![encode_prompt(args, tokenizer)?; args.batch * args.rounds],
     };
     let longest = prompts.iter().map(|(_, ids)| ids.len()).max().unwrap_or(0);
     if longest + args.max_tokens > context {
@@ -192,7 +199,10 @@ fn cut_prompts(path: &Path, count: usize, tokens: usize, tokenizer: &Tokenizer) 
     if long.len() < count {
         return Err(Error::Data {
             path: path.into(),
-            detail: format!("{} paragraphs of at least {tokens} tokens, fewer than the batch of {count}", long.len()),
+            detail: format!(
+                "{} paragraphs of at least {tokens} tokens, fewer than the {count} prompts asked for",
+                long.len()
+            ),
         });
     }
     (0..count)
@@ -250,9 +260,10 @@ fn generate_with_engine<B: Backend, T: Target<B>>(args: &Args, model: &T, first:
         page_size,
         max_seq_len: len,
     };
+    let captures = || first.graph_captures() + drafter.as_ref().map_or(0, |d| d.model().graph_captures());
     match &drafter {
-        Some(d) => drive(args, Engine::new(model, DflashProposer::new(d, &config)?, config)?, on),
-        None => drive(args, Engine::new(model, NgramProposer::default(), config)?, on),
+        Some(d) => drive(args, Engine::new(model, DflashProposer::new(d, &config)?, config)?, on, &captures),
+        None => drive(args, Engine::new(model, NgramProposer::default(), config)?, on, &captures),
     }
 }
 
@@ -264,14 +275,44 @@ fn drafter_dir(args: &Args) -> Option<PathBuf> {
     args.drafter.clone().or_else(|| drafter_beside(&args.model))
 }
 
+/// Adds `batch`'s requests and steps until all have finished; prints the first one's text as it comes
+/// when given the tokenizer. Returns the time to the first tokens and the time after them.
+fn run_round<B: Backend, P: Proposer, T: Target<B>>(
+    engine: &mut Engine<B, P, T>,
+    batch: &[(String, Vec<u32>)],
+    params: &RequestParams,
+    shown_with: Option<&Tokenizer>,
+) -> Result<(Duration, Duration)> {
+    let ids: Vec<_> = batch.iter().map(|(_, ids)| engine.add_request(ids, params.clone())).collect::<Result<_>>()?;
+    let begin = Instant::now();
+    let (mut generated, mut shown, mut first_token) = (Vec::new(), 0, None);
+    while engine.pending() > 0 {
+        for out in engine.step()? {
+            if let Some(tokenizer) = shown_with.filter(|_| out.id == ids[0]) {
+                generated.extend(&out.tokens);
+                show(tokenizer, &generated, &mut shown)?;
+            }
+        }
+        first_token.get_or_insert_with(|| begin.elapsed());
+    }
+    let total = begin.elapsed();
+    let first_token = first_token.unwrap_or(total);
+    Ok((first_token, total - first_token))
+}
+
 /// Runs the requests to the end; prints the first one's text as it comes, then the rates and counters.
-fn drive<B: Backend, P: Proposer, T: Target<B>>(args: &Args, mut engine: Engine<B, P, T>, on: &Run) -> Result<()> {
+/// `captures` counts the step graphs recorded so far (target and drafter).
+fn drive<B: Backend, P: Proposer, T: Target<B>>(
+    args: &Args,
+    mut engine: Engine<B, P, T>,
+    on: &Run,
+    captures: &dyn Fn() -> u64,
+) -> Result<()> {
     let Run { backend, tokenizer, prompts, load } = on;
     let warm = Instant::now();
-    engine.warm_up(args.batch)?;
-    if args.mode == Mode::Auto {
-        eprintln!("auto: step times of batch {} measured in {:.2?}", args.batch, warm.elapsed());
-    }
+    engine.warm_up(args.batch, engine.config().max_seq_len)?;
+    eprintln!("warm-up for batch {}: {:.2?}, {} step graphs recorded", args.batch, warm.elapsed(), captures());
+    let warm_captures = captures();
     print!("{}", prompts[0].0);
     let params = RequestParams {
         max_tokens: args.max_tokens,
@@ -284,31 +325,23 @@ fn drive<B: Backend, P: Proposer, T: Target<B>>(args: &Args, mut engine: Engine<
         }),
         logprobs: None,
     };
-    let ids: Vec<_> = prompts.iter().map(|(_, ids)| engine.add_request(ids, params.clone())).collect::<Result<_>>()?;
-    let begin = Instant::now();
-    let (mut generated, mut shown, mut first_token) = (Vec::new(), 0, None);
-    while engine.pending() > 0 {
-        for out in engine.step()? {
-            if out.id == ids[0] {
-                generated.extend(&out.tokens);
-                show(tokenizer, &generated, &mut shown)?;
-            }
-        }
-        first_token.get_or_insert_with(|| begin.elapsed());
+    let (mut decode, mut first_tokens) = (Duration::ZERO, Duration::ZERO);
+    for (round, batch) in prompts.chunks(args.batch).enumerate() {
+        let (first, rest) = run_round(&mut engine, batch, &params, (round == 0).then_some(*tokenizer))?;
+        (first_tokens, decode) = (first_tokens + first, decode + rest);
     }
-    let total = begin.elapsed();
-    let first_token = first_token.unwrap_or(total);
     println!();
     let stats = engine.stats();
-    let decoded = stats.tokens.saturating_sub(args.batch as u64);
-    let decode = total - first_token;
+    let decoded = stats.tokens.saturating_sub(prompts.len() as u64);
     eprintln!(
-        "{}: load {load:.2?}; {} prompts of {}-{} tokens, first tokens after {first_token:.2?}; {decoded} more tokens in \
+        "{}: load {load:.2?}; {} x {} prompts of {}-{} tokens, first tokens after {:.2?}; {decoded} more tokens in \
          {decode:.2?} ({:.1} tok/s)",
         backend,
+        args.rounds,
         args.batch,
         prompts.iter().map(|(_, ids)| ids.len()).min().unwrap_or(0),
         prompts.iter().map(|(_, ids)| ids.len()).max().unwrap_or(0),
+        first_tokens / args.rounds as u32,
         decoded as f64 / decode.as_secs_f64()
     );
     let by_depth: Vec<String> = stats.accepted_by_depth.iter().map(|n| n.to_string()).collect();
@@ -322,7 +355,11 @@ fn drive<B: Backend, P: Proposer, T: Target<B>>(args: &Args, mut engine: Engine<
         by_depth.join(", ")
     );
     let budgets: Vec<String> = stats.steps_by_budget.iter().map(|(b, n)| format!("B {b}: {n}")).collect();
-    eprintln!("steps by tree budget: {}", budgets.join(", "));
+    eprintln!(
+        "steps by tree budget: {}; step graphs recorded during the run: {}",
+        budgets.join(", "),
+        captures() - warm_captures
+    );
     let st = &stats.stages;
     eprintln!(
         "stages: prefill {:.2?}, draft {:.2?}, tree build {:.2?}, verify {:.2?}, accept {:.2?}, compaction {:.2?}, \

@@ -178,12 +178,12 @@ fn serve_model<B: Backend, T: Target<B>>(args: &Args, model: &T, first: &Model<B
     match &drafter {
         Some(d) => {
             let mut engine = Engine::new(model, DflashProposer::new(d, &config)?, config)?;
-            engine.warm_up(args.max_batch)?;
+            engine.warm_up(args.max_batch, config.max_seq_len)?;
             starter.run(&mut engine)
         }
         None => {
             let mut engine = Engine::new(model, NgramProposer::default(), config)?;
-            engine.warm_up(args.max_batch)?;
+            engine.warm_up(args.max_batch, config.max_seq_len)?;
             starter.run(&mut engine)
         }
     }

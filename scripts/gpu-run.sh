@@ -15,6 +15,7 @@
 #        with held-out prompts, drafts from its DFlash drafter at batch SPEC_BATCHES (default 1 4 8 16 64)
 #        and from prompt lookup at SPEC_NGRAM_BATCHES (default 1 8 64); SPEC_PROPOSERS picks (dflash ngram)
 #        SPEC_MAX_TOKENS tokens per sequence (default 256; longer runs move less from call to call)
+#        SPEC_ROUNDS batches one after another per run (default 1), SPEC_MODES the mode:budget list
 #        mma: the mma.sync rate (benches/microbench/mma_rate.cu), given to benches/report.py
 #        perplexity: the shipped model's held-out perplexity on CUDA beside PyTorch's (examples/perplexity)
 #        serving: examples/serve --gpu in each of SERVE_MODES under examples/bench_serving's sweep
@@ -206,11 +207,12 @@ run_spec() {
         flag="" batches=${SPEC_BATCHES:-1 4 8 16 64}
         [ $proposer = ngram ] && flag="--ngram" batches=${SPEC_NGRAM_BATCHES:-1 8 64}
         for batch in $batches; do
-            for spec in ar:16 chain:16 ddtree:8 ddtree:16 ddtree:32 ddtree:64 auto:64; do
+            for spec in ${SPEC_MODES:-ar:16 chain:16 ddtree:8 ddtree:16 ddtree:32 ddtree:64 auto:64}; do
                 mode=${spec%%:*} budget=${spec#*:}
                 log=$logs/spec-$proposer-$mode-b$budget-bs$batch.log
                 # shellcheck disable=SC2086  # flag is empty or one word
                 gpu-pack/examples/generate --gpu --mode "$mode" --budget "$budget" --batch $batch --max-tokens "${SPEC_MAX_TOKENS:-256}" \
+                    --rounds "${SPEC_ROUNDS:-1}" \
                     --prompts fixtures/models/heldout.txt $flag >"$log" 2>&1
                 note "spec | $proposer | $mode | $budget | $batch | $(grep -o '[0-9.]* tok/s' "$log" | tail -1) | \
 $(grep -o 'mean accepted length [0-9.]*' "$log" | awk '{print $4}') | $(grep 'steps by tree budget' "$log" | cut -d: -f2-) | \

@@ -39,7 +39,8 @@ const fn scaled(tokens: usize) -> usize {
 
 /// The reference: one token at a time through the model's own decode step.
 fn greedy<B: Backend>(model: &Model<B>, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut cache = model.new_cache(64, 16, 256).unwrap();
+    let len = (prompt.len() + n).max(256);
+    let mut cache = model.new_cache(len.div_ceil(16), 16, len).unwrap();
     let seq = cache.add_sequence();
     let mut next = model.forward_argmax(&mut cache, &[(seq, prompt)], Logits::Last).unwrap()[0];
     let mut out = vec![next];
@@ -253,6 +254,81 @@ fn check_features_follow_the_committed_tokens<B: Backend>(model: &Model<B>, laye
     }
 }
 
+/// A drafter stand-in whose drafts are slow and never right: it reads the target's feature layers, takes
+/// `delay` a draft and proposes tokens at log-probability -20.
+struct LosingDrafter {
+    layers: Vec<usize>,
+    delay: std::time::Duration,
+    drafts: usize,
+    released: Vec<RequestId>,
+}
+
+impl Proposer for LosingDrafter {
+    fn feature_layers(&self) -> &[usize] {
+        &self.layers
+    }
+
+    fn propose(
+        &mut self,
+        batch: &[DraftRequest],
+        depth: usize,
+        k: usize,
+        vocab: usize,
+    ) -> kdtree_engine::Result<Vec<Proposal>> {
+        self.drafts += 1;
+        std::thread::sleep(self.delay);
+        let proposal = |r: &DraftRequest| {
+            let last = *r.history.last().unwrap() as usize;
+            Proposal {
+                ids: (0..depth * k).map(|i| ((last + 1 + i) % vocab) as i32).collect(),
+                logp: vec![-20.0; depth * k],
+            }
+        };
+        Ok(batch.iter().map(proposal).collect())
+    }
+
+    fn release(&mut self, id: RequestId) -> kdtree_engine::Result<()> {
+        self.released.push(id);
+        Ok(())
+    }
+}
+
+/// The time of a plain decode step of `batch` one-token sequences, the longest of three.
+fn decode_step_time<B: Backend>(model: &Model<B>, batch: usize) -> std::time::Duration {
+    let mut cache = model.new_cache(batch * 2, 16, 32).unwrap();
+    let seqs: Vec<usize> = (0..batch).map(|_| cache.add_sequence()).collect();
+    let token = [1u32];
+    let step: Vec<(usize, &[u32])> = seqs.iter().map(|&s| (s, &token[..])).collect();
+    (0..3)
+        .map(|_| {
+            let started = std::time::Instant::now();
+            model.forward_argmax(&mut cache, &step, Logits::Last).unwrap();
+            started.elapsed()
+        })
+        .max()
+        .unwrap()
+}
+
+/// `auto` over a drafter that only loses (each draft takes twice a plain step, at least 20 ms, and
+/// nothing in it is likely): after four losing drafts (each followed by a back-off, 7 steps in all) it
+/// switches drafting off, lets the drafter's contexts of the requests in flight go, and finishes them
+/// with plain steps: greedy tokens, no further draft.
+fn check_auto_switches_a_losing_drafter_off<B: Backend>(model: &Model<B>, label: &str) {
+    let prompts: Vec<(&[u32], usize)> = PROMPTS.iter().map(|&(p, _)| (p, 64)).collect();
+    let want: Vec<Vec<u32>> = prompts.iter().map(|&(p, n)| greedy(model, p, n)).collect();
+    let delay = (2 * decode_step_time(model, PROMPTS.len())).max(std::time::Duration::from_millis(20));
+    let drafter = LosingDrafter { layers: vec![1, 3], delay, drafts: 0, released: Vec::new() };
+    let mut engine = Engine::new(model, drafter, config(Mode::Auto, 16, 16)).unwrap();
+    let ids: Vec<RequestId> = prompts.iter().map(|&(p, n)| engine.add_request(p, params(n)).unwrap()).collect();
+    let out: Vec<Vec<u32>> = engine.run_to_end().unwrap().into_iter().map(|(_, t)| t).collect();
+    assert_eq!(out, want, "{label}: auto with drafting switched off differs from greedy");
+    let drafter = engine.proposer();
+    assert_eq!(drafter.drafts, 4, "{label}: drafts before drafting went off");
+    let mut in_flight = drafter.released[..ids.len()].to_vec();
+    in_flight.sort_unstable();
+    assert_eq!(in_flight, ids, "{label}: every request in flight lets its drafter context go first");
+}
+
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }
@@ -312,6 +388,11 @@ fn drafted_modes_emit_greedy_tokens_alone_and_in_batches() {
     let model = Model::load(tiny_dir()).unwrap();
     let drafter = Drafter::load(drafter_dir(), &model).unwrap();
     check_drafted_modes_equal_ar(&model, &drafter, "cpu");
+}
+
+#[test]
+fn auto_switches_a_losing_drafter_off() {
+    check_auto_switches_a_losing_drafter_off(&Model::load(tiny_dir()).unwrap(), "cpu");
 }
 
 #[test]
@@ -597,6 +678,59 @@ mod cuda {
         for graphs in [false, true] {
             model.set_graphs(graphs);
             check_features_follow_the_committed_tokens(&model, &[1, 3], &format!("cuda, graphs {graphs}"));
+        }
+    }
+
+    #[test]
+    fn cuda_auto_switches_a_losing_drafter_off() {
+        if common::gpu().is_none() {
+            return;
+        }
+        check_auto_switches_a_losing_drafter_off(&cuda_model(), "cuda");
+    }
+
+    /// Warms `engine` up for two requests of 300 tokens after `prompt`, runs them, and checks the run
+    /// recorded no step graph (`captures` counts the graphs recorded so far) and emitted `want`.
+    fn check_warm_run<P: Proposer>(
+        mut engine: Engine<CudaBackend, P>,
+        captures: &dyn Fn() -> u64,
+        prompt: &[u32],
+        want: &[u32],
+        label: &str,
+    ) {
+        engine.warm_up(2, engine.config().max_seq_len).unwrap();
+        let recorded = captures();
+        assert!(recorded > 0, "{label}: the warm-up recorded no graph");
+        for _ in 0..2 {
+            engine.add_request(prompt, params(want.len())).unwrap();
+        }
+        let out = engine.run_to_end().unwrap();
+        assert_eq!(out[0].1, want, "{label}: tokens after the warm-up");
+        assert_eq!(captures(), recorded, "{label}: the run recorded graphs the warm-up did not");
+    }
+
+    /// After `warm_up` for the run's batch and length, a run whose sequences cross a length bucket
+    /// records no step graph, with prompt lookup and with the drafter (which shares the target's
+    /// backend, so that a plan it grows would stale the target's graphs): every shape the run replays
+    /// was recorded at start-up.
+    #[test]
+    fn cuda_warm_up_records_every_graph_a_run_replays() {
+        if common::gpu().is_none() {
+            return;
+        }
+        let model = cuda_model();
+        let drafter = Drafter::load(drafter_dir(), &model).unwrap();
+        let prompt: &[u32] = &[100, 7, 14, 21, 28];
+        let want = greedy(&model, prompt, 300);
+        let block = drafter.dflash().block_size;
+        let captures = || model.graph_captures() + drafter.model().graph_captures();
+        for (mode, budget) in [(Mode::Ar, 1), (Mode::DdTree, 16), (Mode::Auto, 16), (Mode::Chain, 1)] {
+            let cfg = EngineConfig { max_seq_len: 512, ..config(mode, budget, 16) };
+            let engine = Engine::new(&model, NgramProposer::default(), cfg).unwrap();
+            check_warm_run(engine, &captures, prompt, &want, &format!("{mode:?}, prompt lookup"));
+            let cfg = EngineConfig { block, ..cfg };
+            let engine = Engine::new(&model, DflashProposer::new(&drafter, &cfg).unwrap(), cfg).unwrap();
+            check_warm_run(engine, &captures, prompt, &want, &format!("{mode:?}, drafter"));
         }
     }
 

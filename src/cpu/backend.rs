@@ -85,6 +85,7 @@ impl Backend for CpuBackend {
     type Experts = OwnedExperts;
     type Graph = ();
     type Mark = Instant;
+    const RECORDS_GRAPHS: bool = false;
 
     fn name(&self) -> String {
         "cpu".into()

@@ -251,6 +251,7 @@ impl Backend for CudaBackend {
     type Experts = DeviceExperts;
     type Graph = StepGraph;
     type Mark = CudaEvent;
+    const RECORDS_GRAPHS: bool = true;
 
     fn name(&self) -> String {
         self.gpu.name().unwrap_or_else(|_| "cuda".into())

@@ -107,6 +107,8 @@ pub trait Backend: Send + Sync {
     type Graph: Send;
     /// A point in the backend's queue of work, for timing what ran between two ([`Backend::elapsed`]).
     type Mark;
+    /// Whether [`Backend::capture`] records graphs (CUDA) or none (the CPU).
+    const RECORDS_GRAPHS: bool;
 
     /// A short name for messages ("cpu", or the GPU's name).
     fn name(&self) -> String;

@@ -325,10 +325,12 @@ struct GraphKey {
 struct Graphs<B: Backend> {
     enabled: bool,
     recorded: HashMap<GraphKey, (u64, B::Graph)>,
+    /// Graphs recorded since the model was made.
+    captures: u64,
 }
 
 /// At most this many graphs are kept; recording one more clears them (a shape seen again is recorded again).
-const MAX_GRAPHS: usize = 64;
+const MAX_GRAPHS: usize = 256;
 
 /// Which positions of a forward call get results.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -698,7 +700,7 @@ impl<B: Backend> Model<B> {
             rope: Rope::new(&config)?,
             config,
             scratch: Mutex::new(None),
-            graphs: Mutex::new(Graphs { enabled: true, recorded: HashMap::new() }),
+            graphs: Mutex::new(Graphs { enabled: true, recorded: HashMap::new(), captures: 0 }),
             backend,
         })
     }
@@ -716,6 +718,11 @@ impl<B: Backend> Model<B> {
     /// Recorded step graphs currently kept.
     pub fn recorded_graphs(&self) -> usize {
         self.graphs.lock().unwrap_or_else(PoisonError::into_inner).recorded.len()
+    }
+
+    /// Step graphs recorded since the model was made (each costs a step run op by op and a capture).
+    pub fn graph_captures(&self) -> u64 {
+        self.graphs.lock().unwrap_or_else(PoisonError::into_inner).captures
     }
 
     /// Turns the replay of recorded steps on or off (on by default; the CPU backend records none). With
@@ -1063,6 +1070,7 @@ impl<B: Backend> Model<B> {
                     }
                     // A plan that grew while recording would leave the graph with stale addresses.
                     if let Some(graph) = graph.filter(|_| self.plan_epoch() == epoch) {
+                        graphs.captures += 1;
                         graphs.recorded.insert(key, (epoch, graph));
                     }
                 }

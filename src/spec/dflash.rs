@@ -8,7 +8,13 @@ use crate::error::{Error, Result};
 use crate::model::backend::Backend;
 use crate::model::{Drafter, KvCache};
 
+use super::auto::bucket_starts;
 use super::engine::{EngineConfig, RequestId};
+
+/// Context tokens a warm-up writes for all its sequences together, at most: the plans of a context
+/// write grow to it once, so that a run's writes of up to this many tokens (a batch's prompts) do not
+/// grow them again (a growth stales every recorded graph on the backend).
+const WARM_WRITE_TOKENS: usize = 8192;
 use super::proposer::{DraftRequest, Proposal, Proposer};
 
 /// A [`Drafter`] proposing for an engine (see the module documentation).
@@ -37,6 +43,21 @@ impl<'d, B: Backend> DflashProposer<'d, B> {
             config.max_seq_len + block,
         )?;
         Ok(DflashProposer { drafter, cache, seqs: HashMap::new() })
+    }
+
+    /// Writes `len` context tokens of zero features to each of `seqs` (`per_write` a sequence at a time),
+    /// then drafts a block after each.
+    fn draft_from_zeros(&mut self, seqs: &[usize], len: usize, per_write: usize, width: usize, k: usize) -> Result<()> {
+        let mut written = 0;
+        while written < len {
+            let n = per_write.max(1).min(len - written);
+            let rows: Vec<(usize, usize)> = seqs.iter().map(|&seq| (seq, n)).collect();
+            self.drafter.write_context(&mut self.cache, &rows, &vec![0.0; seqs.len() * n * width])?;
+            written += n;
+        }
+        let blocks: Vec<(usize, u32)> = seqs.iter().map(|&seq| (seq, 0)).collect();
+        self.drafter.draft(&mut self.cache, &blocks, (k > 1).then_some(k))?;
+        Ok(())
     }
 
     /// The drafter's sequence of request `id`, started on first sight.
@@ -94,6 +115,28 @@ impl<B: Backend> Proposer for DflashProposer<'_, B> {
         }
         let drafts = self.drafter.draft(&mut self.cache, &blocks, (k > 1).then_some(k))?;
         Ok(drafts.into_iter().map(|d| Proposal { ids: d.ids, logp: d.logp }).collect())
+    }
+
+    /// Drafts from zero features: the shapes, not the values, decide what is recorded. A bucket the
+    /// context cache has no free pages for is left out.
+    fn warm_up(&mut self, batch: usize, max_len: usize, k: usize) -> Result<()> {
+        let block = self.drafter.dflash().block_size;
+        let width = self.drafter.feature_width();
+        let limit = self.cache.max_seq_len().saturating_sub(block);
+        let per_write = WARM_WRITE_TOKENS.div_ceil(batch.max(1));
+        for start in bucket_starts(max_len.min(limit)).into_iter().rev() {
+            let room = (start + block).div_ceil(self.cache.page_size()) + 1;
+            if start + block > self.cache.max_seq_len() || self.cache.free_pages() < batch * room {
+                continue;
+            }
+            let seqs: Vec<usize> = (0..batch).map(|_| self.cache.add_sequence()).collect();
+            let drafted = self.draft_from_zeros(&seqs, start, per_write, width, k);
+            for &seq in &seqs {
+                self.cache.remove_sequence(seq)?;
+            }
+            drafted?;
+        }
+        Ok(())
     }
 
     fn release(&mut self, id: RequestId) -> Result<()> {

@@ -12,7 +12,7 @@ use crate::model::{Logits, Model, StepRequest, TreeCommit, TreeInput};
 use crate::types::{top_k_for, DraftTree, TreeShape};
 use crate::MAX_DEPTH;
 
-use super::auto::{AutoBudget, StepTimes};
+use super::auto::{record_steps, AutoBudget, Drafting, StepTimes, WarmShape};
 use super::proposer::{DraftRequest, Proposal, Proposer};
 use super::sampling::Sampling;
 use super::target::{Target, TargetCache};
@@ -241,6 +241,9 @@ struct Active {
     generated: usize,
     /// Context features of the tokens cached since the proposer's last look at this request.
     features: Vec<f32>,
+    /// Whether the proposer can draft for this request: false once `auto` switched drafting off while
+    /// it was in flight (its drafter context then stops following the target's cache).
+    drafts: bool,
     added: Instant,
     first_token: Option<Instant>,
 }
@@ -324,14 +327,46 @@ impl<'m, B: Backend, P: Proposer, T: Target<B>> Engine<'m, B, P, T> {
         self.active.len()
     }
 
-    /// Measures, in `auto` mode, the target's step times for batches of up to `batch` requests (the
-    /// power-of-two bucket of it) and records the steps' graphs, so that the first steps of a run do not
-    /// pay for it; otherwise does nothing. Call it before adding requests: it uses free cache pages.
-    pub fn warm_up(&mut self, batch: usize) -> Result<()> {
-        if self.config.mode != Mode::Auto || batch == 0 {
+    /// Prepares for steps of `batch` requests whose sequences grow to `max_len` tokens, so that a run's
+    /// steps do not pay for it: in `auto` mode measures the target's step times (at the power-of-two
+    /// bucket of `batch`), and in every mode runs the target steps of the mode's shapes once at each
+    /// sequence-length bucket up to `max_len`, and the proposer's drafts likewise, which records their
+    /// graphs (on a backend without graphs there is nothing to record). Call it before adding requests: it uses free cache pages (a bucket they do not cover is skipped).
+    pub fn warm_up(&mut self, batch: usize, max_len: usize) -> Result<()> {
+        if batch == 0 {
             return Ok(());
         }
-        self.auto.warm_up(self.model, &mut self.cache, batch, &self.feature_layers)
+        if self.config.mode == Mode::Auto {
+            self.auto.warm_up(self.model, &mut self.cache, batch, &self.feature_layers)?;
+        }
+        if !B::RECORDS_GRAPHS {
+            return Ok(());
+        }
+        // The drafter shares the target's backend, so a plan either of them grows stales the graphs of
+        // both: the first round makes every plan, the second records the graphs that went stale.
+        let shapes = self.warm_shapes();
+        for _ in 0..2 {
+            if self.config.mode != Mode::Ar {
+                self.proposer.warm_up(batch, max_len, self.draft_shape().1)?;
+            }
+            record_steps(self.model, &mut self.cache, batch, max_len, &shapes, &self.feature_layers)?;
+        }
+        Ok(())
+    }
+
+    /// The step shapes the mode runs, the widest first: rows per sequence, and whether the step returns
+    /// context features.
+    fn warm_shapes(&self) -> Vec<WarmShape> {
+        let features = !self.feature_layers.is_empty();
+        let mut shapes = match self.config.mode {
+            Mode::Ar => vec![(1, false)],
+            Mode::Chain | Mode::DdTree => vec![(self.config.tree_rows(), features)],
+            Mode::Auto => self.auto.budgets().iter().rev().map(|&b| (b + 1, features)).collect(),
+        };
+        if self.config.mode == Mode::Auto && features {
+            shapes.push((1, false)); // the plain step once drafting is off
+        }
+        shapes
     }
 
     /// Queues a request; its prefill runs at the next step.
@@ -371,6 +406,7 @@ impl<'m, B: Backend, P: Proposer, T: Target<B>> Engine<'m, B, P, T> {
             params,
             generated: 0,
             features: Vec::new(),
+            drafts: true,
             added: Instant::now(),
             first_token: None,
         });
@@ -457,18 +493,26 @@ impl<'m, B: Backend, P: Proposer, T: Target<B>> Engine<'m, B, P, T> {
         let room = self.cache.max_seq_len();
         let may_draft = match self.config.mode {
             Mode::Ar => false,
-            Mode::Auto => !self.auto.skip_drafting(),
+            Mode::Auto => match self.auto.drafting(self.active.len()) {
+                Drafting::Draft => true,
+                Drafting::Wait => false,
+                Drafting::Off => {
+                    self.stop_drafting()?;
+                    false
+                }
+            },
             Mode::Chain | Mode::DdTree => true,
         };
         let (mut plain, mut drafted) = (Vec::new(), Vec::new());
         for (i, a) in self.active.iter().enumerate() {
-            if may_draft && a.history.len() - 1 + self.config.tree_rows() <= room {
+            if may_draft && a.drafts && a.history.len() - 1 + self.config.tree_rows() <= room {
                 drafted.push(i);
             } else {
                 plain.push(i);
             }
         }
-        let trees = if drafted.is_empty() { None } else { self.draft(&mut plain, &mut drafted)? };
+        let (started, drafts) = (Instant::now(), !drafted.is_empty());
+        let trees = if drafts { self.draft(&mut plain, &mut drafted)? } else { None };
         let n_rows = trees.as_ref().map_or(1, |t| t.shape.rows());
         self.stats.steps += 1;
         *self.stats.steps_by_budget.entry(n_rows - 1).or_default() += 1;
@@ -491,12 +535,14 @@ impl<'m, B: Backend, P: Proposer, T: Target<B>> Engine<'m, B, P, T> {
             let len = self.active[i].history.len();
             meta.extend(rows.depth[j * n_rows..(j + 1) * n_rows].iter().map(|&d| (i, len + d as usize)));
         }
-        let layers = &self.feature_layers;
+        let layers = if self.active.iter().any(|a| a.drafts) { &self.feature_layers[..] } else { &[] };
         let verify = Instant::now();
         let step = choose(self.model, &mut self.cache, &self.active, &requests, Logits::All, &meta, layers)?;
         self.stats.stages.verify += verify.elapsed();
         for (j, &i) in plain.iter().enumerate() {
-            self.active[i].features.extend(step.features(j..j + 1));
+            if self.active[i].drafts {
+                self.active[i].features.extend(step.features(j..j + 1));
+            }
         }
         let mut emitted: Vec<Emitted> = plain
             .iter()
@@ -507,7 +553,26 @@ impl<'m, B: Backend, P: Proposer, T: Target<B>> Engine<'m, B, P, T> {
         if let Some(tree) = &trees {
             emitted.extend(self.accept(&drafted, tree, &step, plain.len(), n_rows)?);
         }
+        if self.config.mode == Mode::Auto {
+            let tokens = emitted.iter().map(|e| e.tokens.len()).sum();
+            self.auto.observe_step(self.active.len(), drafts, tokens, started.elapsed().as_secs_f64());
+        }
         Ok((emitted, step))
+    }
+
+    /// `auto` switched drafting off: the requests in flight let their drafter contexts go and take plain
+    /// steps to the end, which then need no context features (a proposer that reads none keeps drafting
+    /// once drafting is back on).
+    fn stop_drafting(&mut self) -> Result<()> {
+        if self.feature_layers.is_empty() {
+            return Ok(());
+        }
+        for a in self.active.iter_mut().filter(|a| a.drafts) {
+            a.drafts = false;
+            a.features = Vec::new();
+            self.proposer.release(a.id)?;
+        }
+        Ok(())
     }
 
     /// The draft trees of `drafted` (indices into `active`). In `auto` mode this also picks the budget:
@@ -526,7 +591,8 @@ impl<'m, B: Backend, P: Proposer, T: Target<B>> Engine<'m, B, P, T> {
         let expected = super::auto::expected_tokens(&tree, &proposals, k, plain.len())?;
         let layers = &self.feature_layers;
         let batch = plain.len() + drafted.len();
-        let budget = self.auto.choose(self.model, &mut self.cache, &expected, batch, draft_time, layers)?;
+        let drafted_for = started.elapsed();
+        let budget = self.auto.choose(self.model, &mut self.cache, &expected, batch, drafted_for, layers)?;
         let tree = if budget == 0 {
             plain.append(drafted);
             None
@@ -617,9 +683,10 @@ impl<'m, B: Backend, P: Proposer, T: Target<B>> Engine<'m, B, P, T> {
             .collect();
         let commits: Vec<TreeCommit> =
             drafted.iter().zip(&paths).map(|(&i, rows)| TreeCommit { seq: self.active[i].seq, rows }).collect();
-        let started = Instant::now();
+        let committed = Instant::now();
         self.model.commit_trees(&mut self.cache, &commits, n_rows)?;
-        self.stats.stages.compaction += started.elapsed();
+        self.stats.stages.compaction += committed.elapsed();
+        self.auto.observe_verify_overhead(started.elapsed().as_secs_f64());
         self.auto.observe(acc.accept_len[..drafted.len()].iter().map(|&a| a as usize).sum());
         let mut emitted = Vec::with_capacity(drafted.len());
         for (b, &i) in drafted.iter().enumerate() {
@@ -717,8 +784,6 @@ struct Chosen {
 }
 
 impl Chosen {
-    /// The context features of the step tokens `tokens`: per token its layers' hidden states one after
-    /// another (empty when the step read none).
     /// The log-probability of `token` under row `row`'s distribution, with the `top` most likely tokens.
     fn logprob(&self, row: usize, token: u32, top: usize) -> Result<TokenLogprob> {
         let logits = self.logits.get(row * self.vocab..(row + 1) * self.vocab).ok_or_else(|| Error::Index {
@@ -741,6 +806,8 @@ impl Chosen {
         })
     }
 
+    /// The context features of the step tokens `tokens`: per token its layers' hidden states one after
+    /// another (empty when the step read none).
     fn features(&self, tokens: impl IntoIterator<Item = usize>) -> Vec<f32> {
         let (t, h) = (self.step_tokens, self.hidden_size);
         let mut out = Vec::new();

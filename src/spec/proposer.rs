@@ -52,6 +52,13 @@ pub trait Proposer {
     fn release(&mut self, _id: RequestId) -> Result<()> {
         Ok(())
     }
+
+    /// Drafts once for `batch` requests at each sequence-length bucket up to `max_len` tokens, `k`
+    /// candidates a position, so that a run's drafts find their plans made and their graphs recorded
+    /// (see [`crate::spec::Engine::warm_up`]); nothing by default.
+    fn warm_up(&mut self, _batch: usize, _max_len: usize, _k: usize) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Prompt-lookup drafting (vLLM's `ngram` method): the longest suffix of the history, of at most
