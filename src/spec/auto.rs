@@ -54,8 +54,8 @@ const OFF_STEPS: usize = 4096;
 /// Weight of the earlier steps in the observed step rates, per step (about the last 20 count).
 const STEP_RATE_DECAY: f64 = 0.95;
 
-/// Steps of a kind (drafted or plain) at a batch bucket before their observed rate replaces the
-/// prediction.
+/// Steps of a kind (drafted or plain) at a batch bucket before their observed rates may switch drafting
+/// off there.
 const STEP_RATE_EVIDENCE: usize = 3;
 
 /// Weight of the earlier verifications in the mean of their host work, per verification.
@@ -160,7 +160,7 @@ pub(super) type WarmShape = (usize, bool);
 /// Runs one target step of each shape in `shapes` for `batch` sequences at every sequence-length bucket
 /// from the shortest to the one holding `max_len` tokens, so that the model records the step graphs a
 /// run of such sequences replays (graphs are keyed by the bucket of the longest sequence). The
-/// sequences are added to `cache`, filled with `max(FILL_TOKENS, batch × fill_rows)` tokens a step,
+/// sequences are added to `cache`, filled with `max(FILL_TOKENS, batch × widest shape's rows)` tokens a step,
 /// and removed after; buckets the cache has no free pages for are left out. Longest bucket first: its
 /// fill grows the model's scratch once, before any graph it would drop.
 pub(super) fn record_steps<B: Backend, T: Target<B>>(

@@ -10,12 +10,12 @@ use crate::model::{Drafter, KvCache};
 
 use super::auto::bucket_starts;
 use super::engine::{EngineConfig, RequestId};
+use super::proposer::{DraftRequest, Proposal, Proposer};
 
 /// Context tokens a warm-up writes for all its sequences together, at most: the plans of a context
 /// write grow to it once, so that a run's writes of up to this many tokens (a batch's prompts) do not
 /// grow them again (a growth stales every recorded graph on the backend).
 const WARM_WRITE_TOKENS: usize = 8192;
-use super::proposer::{DraftRequest, Proposal, Proposer};
 
 /// A [`Drafter`] proposing for an engine (see the module documentation).
 pub struct DflashProposer<'d, B: Backend> {

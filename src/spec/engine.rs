@@ -328,10 +328,11 @@ impl<'m, B: Backend, P: Proposer, T: Target<B>> Engine<'m, B, P, T> {
     }
 
     /// Prepares for steps of `batch` requests whose sequences grow to `max_len` tokens, so that a run's
-    /// steps do not pay for it: in `auto` mode measures the target's step times (at the power-of-two
-    /// bucket of `batch`), and in every mode runs the target steps of the mode's shapes once at each
-    /// sequence-length bucket up to `max_len`, and the proposer's drafts likewise, which records their
-    /// graphs (on a backend without graphs there is nothing to record). Call it before adding requests: it uses free cache pages (a bucket they do not cover is skipped).
+    /// steps do not pay for it: in `auto` mode measures the target's step times at every power-of-two
+    /// batch bucket up to `batch`'s, and in every mode runs the target steps of the mode's shapes once
+    /// at each sequence-length bucket up to `max_len`, and the proposer's drafts likewise, which records
+    /// their graphs (on a backend without graphs there is nothing to record). Call it before adding
+    /// requests: it uses free cache pages (a bucket they do not cover is skipped).
     pub fn warm_up(&mut self, batch: usize, max_len: usize) -> Result<()> {
         if batch == 0 {
             return Ok(());
