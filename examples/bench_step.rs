@@ -1,7 +1,8 @@
 //! The model step at real dimensions, without a checkpoint: a Kimi-K2-shaped model (hidden 7168, 384
 //! INT4 experts top-8 with I 2048 and one shared expert, q_lora 1536, vocab 163840; 64 heads, or 8 as
-//! one GPU's share of eight) with `--layers` layers (the first dense, as in Kimi-K2) of random weights
-//! made on the backend ([`Model::random`]), run through the same step code as a checkpoint.
+//! one GPU's share of eight) with `--layers` layers (the first `--dense` dense: one, as in Kimi-K2) of
+//! random weights made on the backend ([`Model::random`]), run through the same step code as a
+//! checkpoint. `--layers 6 --dense 6` is a DFlash drafter of Kimi-K2 size.
 //!
 //! Every sequence first gets a `--prefix`-token prefill. Then, for each batch: decode steps, and tree
 //! steps of N rows (a heap-shaped tree: node i's parent is (i - 1) / 2); each timed as the mean of
@@ -51,9 +52,13 @@ struct Args {
     /// Attention heads of the built-in shape: 64 (one GPU holds the model) or 8 (a GPU's share of 8).
     #[arg(long, default_value_t = 64)]
     heads: usize,
-    /// Decoder layers of the built-in shape (the first dense, the others MoE).
+    /// Decoder layers of the built-in shape (the first `--dense` dense, the others MoE).
     #[arg(long, default_value_t = 3)]
     layers: usize,
+    /// Leading dense layers of the built-in shape: 1 as in Kimi-K2; all of them (`--dense 6 --layers 6`)
+    /// for a DFlash drafter of Kimi-K2 size (six dense layers of the target's width).
+    #[arg(long, default_value_t = 1)]
+    dense: usize,
     /// Prefix tokens per sequence before the measured steps.
     #[arg(long, default_value_t = 4096)]
     prefix: usize,
@@ -83,14 +88,15 @@ struct Args {
 }
 
 /// Kimi-K2's shape (config.json of moonshotai/Kimi-K2-Instruct, research/kimi-int4.md) with `layers`
-/// layers and `heads` heads.
-fn kimi_config(layers: usize, heads: usize) -> Result<Config> {
+/// layers, the first `dense` of them dense, and `heads` heads.
+fn kimi_config(layers: usize, dense: usize, heads: usize) -> Result<Config> {
     Config::from_json(&format!(
         r#"{{"vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
         "num_hidden_layers": {layers}, "num_attention_heads": {heads}, "q_lora_rank": 1536, "kv_lora_rank": 512,
         "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 384,
-        "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-        "routed_scaling_factor": 2.827, "norm_topk_prob": true, "rms_norm_eps": 1e-6, "rope_theta": 50000.0,
+        "num_experts_per_tok": 8, "n_shared_experts": 1, "moe_layer_freq": 1,
+        "first_k_dense_replace": {dense}, "routed_scaling_factor": 2.827, "norm_topk_prob": true,
+        "rms_norm_eps": 1e-6, "rope_theta": 50000.0,
         "max_position_embeddings": 131072, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
         "scoring_func": "sigmoid", "rope_scaling": {{"type": "yarn", "factor": 32.0, "beta_fast": 1.0,
         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}}}}"#
@@ -113,8 +119,11 @@ fn main() -> ExitCode {
 fn run(args: &Args) -> Result<()> {
     let config = match &args.config {
         Some(path) => Config::from_file(path)?,
-        None => kimi_config(args.layers, args.heads)?,
+        None => kimi_config(args.layers, args.dense, args.heads)?,
     };
+    if args.dense > args.layers {
+        return Err(Error::param("--dense", args.dense, format!("at most --layers ({})", args.layers)));
+    }
     if args.steps == 0 || args.batches.contains(&0) || args.tree_batches.contains(&0) {
         return Err(Error::param("--steps / --batches / --tree-batches", 0, "every count must be at least 1"));
     }
