@@ -13,11 +13,10 @@
 //     partial is one warp's MMA chain over its k16 steps in order, and gemm_reduce adds the chunk partials
 //     in chunk order. The position of a token inside the tile does not matter: an MMA computes each output
 //     element from its own row and column.
-// Three tile shapes (Narrow, Medium, Tall; see below) with a cp.async ring of (W, x hi, x lo) tiles.
-// Rows past N and tokens past T are zero-filled and never written; a warp's 16-token groups wholly past
-// T are not computed. The token tiles of one weight tile are neighbours in the grid (blockIdx.x), so
-// that when T spans several of them they run together and the weight tile comes from HBM once, then
-// from L2.
+// Three tile shapes (Narrow, Medium, Tall; see below) with a
+// cp.async ring of (W, x hi, x lo) tiles. Rows past N and tokens past T are zero-filled and never
+// written. The token tiles of one weight tile are neighbours in the grid (blockIdx.x), so that when T
+// spans several of them they run together and the weight tile comes from HBM once, then from L2.
 #include "common.cuh"
 
 namespace kdt {
@@ -89,14 +88,9 @@ __device__ __forceinline__ void load_stage(typename S::Stage& s, const __nv_bflo
 }
 
 // One warp's WARP_ROWS rows x WARP_TOKENS over a staged slice: per k16 step the hi then the lo product.
-// `live` is how many of the warp's tokens are real (T - its first token; zero or less: none). A pair of
-// 8-token tiles that holds only padding is skipped: the tile is bound by MMA issue above 16 tokens, and
-// a last token tile of a few real tokens would otherwise cost a full one. Real tokens run the same chain
-// either way, so their bits do not depend on T.
 template <class S>
-__device__ __forceinline__ void compute_stage(const typename S::Stage& s, int row0, int tok0, int live,
+__device__ __forceinline__ void compute_stage(const typename S::Stage& s, int row0, int tok0,
                                               float (&acc)[S::M_TILES][S::N_TILES][4]) {
-    if (live <= 0) return;
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int kk = 0; kk < S::TILE_K; kk += 16) {
@@ -106,7 +100,6 @@ __device__ __forceinline__ void compute_stage(const typename S::Stage& s, int ro
             ldmatrix_x4(a[m], &s.w[row0 + m * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
 #pragma unroll
         for (int j = 0; j < S::N_TILES; j += 2) {
-            if (j * 8 >= live) break;
             const int tok = tok0 + (j + (lane >> 4)) * 8 + (lane & 7);
             const int col = kk + ((lane >> 3) & 1) * 8;
             uint32_t bh[4], bl[4];
@@ -156,7 +149,7 @@ __device__ void gemm(const __nv_bfloat16* __restrict__ w, long long w_batch, con
             load_stage<S>(stages[next % S::STAGES], w, hi, lo, xs, N, T, K, k_end, n0, t0,
                           k_begin + next * S::TILE_K);
         cp_async_commit();
-        compute_stage<S>(stages[i % S::STAGES], row0, tok0, T - t0 - tok0, acc);
+        compute_stage<S>(stages[i % S::STAGES], row0, tok0, acc);
     }
     cp_async_wait<0>();
 
