@@ -194,7 +194,7 @@ mod gpu {
         let names = tile_names();
         let pick = |t| names[tile_for(t)];
         assert_eq!(
-            [pick(1), pick(16), pick(17), pick(192), pick(193), pick(2080)],
+            [pick(1), pick(16), pick(17), pick(160), pick(161), pick(2080)],
             [
                 "gemm_bf16_narrow",
                 "gemm_bf16_narrow",
