@@ -13,7 +13,7 @@
 //     partial is one warp's MMA chain over its k16 steps in order, and gemm_reduce adds the chunk partials
 //     in chunk order. The position of a token inside the tile does not matter: an MMA computes each output
 //     element from its own row and column.
-// Three tile shapes (Narrow, Medium, Tall; see below) with a
+// Four tile shapes (Narrow, Medium, Wide, Tall; see below) with a
 // cp.async ring of (W, x hi, x lo) tiles. Rows past N and tokens past T are zero-filled and never
 // written. The token tiles of one weight tile are neighbours in the grid (blockIdx.x), so that when T
 // spans several of them they run together and the weight tile comes from HBM once, then from L2.
@@ -58,12 +58,14 @@ struct Shape {
 
 // Narrow (16 tokens) for decodes, where the weight bytes are the cost: wide rows of k per stage and many
 // bytes in flight. Medium (32 tokens, one stage less to fit 99 KB) for up to a few hundred tokens in
-// several token tiles side by side. Tall (128 tokens, 32 rows per warp) beyond, where each staged weight
-// tile should feed more MMAs. (A 64 x 64 tile with k 32 was slower than Medium at 33-130 tokens on the
+// several token tiles side by side. Wide (64 tokens, 32 rows per warp, k 32 in 4 stages) stages a weight
+// tile once for two Medium tiles' tokens. Tall (128 tokens, 32 rows per warp) beyond, where each staged
+// weight tile should feed more MMAs. (A 64 x 64 tile with k 32 was slower than Medium at 33-130 tokens on the
 // H200 on 25 of 27 shapes x counts, and than Tall beyond: notes/2026-12-02-verify-gemm.md.) All run the
 // same per-element operations in the same order, so the host may pick any of them for any T.
 typedef Shape<128, 16, 64, 4> Narrow;
 typedef Shape<128, 32, 64, 3> Medium;
+typedef Shape<128, 64, 32, 4, 32> Wide;
 typedef Shape<128, 128, 32, 3, 32> Tall;
 
 // Stages the slice at `k0` of the CTA's weight rows and tokens. K, the row strides and the batch strides
@@ -185,6 +187,7 @@ __device__ void gemm(const __nv_bfloat16* __restrict__ w, long long w_batch, con
     }
 KDT_GEMM_KERNEL(gemm_bf16_narrow, kdt::gemm::Narrow)
 KDT_GEMM_KERNEL(gemm_bf16_medium, kdt::gemm::Medium)
+KDT_GEMM_KERNEL(gemm_bf16_wide, kdt::gemm::Wide)
 KDT_GEMM_KERNEL(gemm_bf16_tall, kdt::gemm::Tall)
 #undef KDT_GEMM_KERNEL
 

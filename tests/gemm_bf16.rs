@@ -142,8 +142,8 @@ mod gpu {
             let weight = DeviceWeight::upload(gpu, &w, 1, n, k).unwrap();
             let batch = gpu.gemm_bf16_on(&weight, &x).unwrap();
             assert!(gpu.gemm_bf16_on(&weight, &x).unwrap() == batch, "N {n} K {k}: reruns differ");
-            // Alone (narrow tiles), inside the first 24 and 60 tokens and all 150 (medium tiles, one,
-            // two and five token tiles; tall tiles are compared in every_tile_gives_the_same_bits).
+            // Alone (narrow tiles), inside the first 24 and 60 tokens and all 150 (one medium tile, one
+            // wide tile, five medium tiles; tall tiles are compared in every_tile_gives_the_same_bits).
             for first in [24, 60] {
                 let got = gpu.gemm_bf16_on(&weight, &x[..first * k]).unwrap();
                 common::assert_bits(&format!("N {n} K {k} {first} tokens"), "y", &got, &batch[..first * n]);
@@ -160,7 +160,9 @@ mod gpu {
     #[test]
     fn every_tile_gives_the_same_bits() {
         let Some(gpu) = common::gpu() else { return };
-        for (n, k, t) in [(576, 7168, 65), (130, 520, 150), (200, 256, 100), (7168, 2048, 17), (40, 64, 3)] {
+        for (n, k, t) in
+            [(576, 7168, 65), (130, 520, 150), (200, 256, 100), (7168, 2048, 17), (300, 1024, 40), (40, 64, 3)]
+        {
             let (w, x) = random_case(n, k, t, (5 * n + k + t) as u64);
             let weight = DeviceWeight::upload(gpu, &w, 1, n, k).unwrap();
             let run = |tile: Option<usize>| {
@@ -188,22 +190,13 @@ mod gpu {
         assert!(matches!(err, Error::Param { name: "tile", .. }), "{err}");
     }
 
-    /// Narrow tiles up to 16 tokens, Medium up to 160, Tall beyond.
+    /// Narrow tiles up to 16 tokens, Medium up to 32, Wide up to 64, Medium up to 160, Tall beyond.
     #[test]
     fn tiles_follow_the_token_count() {
         let names = tile_names();
-        let pick = |t| names[tile_for(t)];
-        assert_eq!(
-            [pick(1), pick(16), pick(17), pick(160), pick(161), pick(2080)],
-            [
-                "gemm_bf16_narrow",
-                "gemm_bf16_narrow",
-                "gemm_bf16_medium",
-                "gemm_bf16_medium",
-                "gemm_bf16_tall",
-                "gemm_bf16_tall"
-            ]
-        );
+        let picks: Vec<_> = [1, 16, 17, 32, 33, 64, 65, 160, 161, 2080].map(|t| names[tile_for(t)]).into();
+        let want = ["narrow", "narrow", "medium", "medium", "wide", "wide", "medium", "medium", "tall", "tall"];
+        assert_eq!(picks, want.map(|n| format!("gemm_bf16_{n}")));
     }
 
     /// MLA's per-head products: 4 matrices `[24, 32]`, x the first 32 features of each head's 48 in

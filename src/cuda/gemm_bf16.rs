@@ -32,16 +32,17 @@ impl TileShape {
 }
 
 /// The shapes from fewest to most tokens; [`tile_for`] picks one per launch.
-pub(crate) const SHAPES: [TileShape; 3] = [
+pub(crate) const SHAPES: [TileShape; 4] = [
     TileShape { name: "gemm_bf16_narrow", rows: 128, tokens: 16, k: 64, stages: 4 },
     TileShape { name: "gemm_bf16_medium", rows: 128, tokens: 32, k: 64, stages: 3 },
+    TileShape { name: "gemm_bf16_wide", rows: 128, tokens: 64, k: 32, stages: 4 },
     TileShape { name: "gemm_bf16_tall", rows: 128, tokens: 128, k: 32, stages: 3 },
 ];
 /// Split-K chunks are multiples of every shape's k per stage.
 const CHUNK_ALIGN: usize = 64;
 /// Dynamic shared memory of each kernel of [`SHAPES`], in order.
-pub(crate) const SHARED_BYTES: [usize; 3] =
-    [SHAPES[0].shared_bytes(), SHAPES[1].shared_bytes(), SHAPES[2].shared_bytes()];
+pub(crate) const SHARED_BYTES: [usize; SHAPES.len()] =
+    [SHAPES[0].shared_bytes(), SHAPES[1].shared_bytes(), SHAPES[2].shared_bytes(), SHAPES[3].shared_bytes()];
 
 /// The split-K aims at this many narrow CTAs (two per SM of a 132-SM GPU), so that a decode step streams
 /// the weight with the whole GPU ...
@@ -121,6 +122,12 @@ pub fn split_k(w: &DeviceWeight) -> (usize, usize) {
     (w.inp.div_ceil(chunk), chunk)
 }
 
+/// Tokens up to which a launch takes Wide tiles: one Wide tile holds 33-64 tokens where Medium needs two
+/// side by side, each staging the weight tile. Measured on the H200 at Kimi-K2's nine dense shapes
+/// (notes/2026-12-02-verify-gemm.md, 2026-12-04): Wide was faster than Medium at 33 tokens on 7 of 9
+/// (lm_head by 21%, the dense MLP by 6-11%; kv_a and o_proj 7% and 1% slower), slower at 65 on all nine
+/// (two Wide tiles pad 65 to 128 tokens, three Medium ones to 96).
+const WIDE_MAX_TOKENS: usize = 64;
 /// Tokens up to which a launch takes Medium tiles, several token tiles side by side (the weight tile
 /// comes from HBM once, then from L2), before Tall's 128-token tiles. Measured on the H200 at Kimi-K2's
 /// nine dense shapes (notes/2026-12-02-verify-gemm.md): Medium was the fastest tile at 130 tokens on all
@@ -128,15 +135,17 @@ pub fn split_k(w: &DeviceWeight) -> (usize, usize) {
 const MEDIUM_MAX_TOKENS: usize = 160;
 
 /// The index in [`SHAPES`] of the tile a launch of `tokens` tokens uses: Narrow up to its 16 tokens,
-/// Medium up to [`MEDIUM_MAX_TOKENS`], Tall beyond. Every tile gives the same bits, so the choice only
-/// moves time.
+/// Medium up to Medium's 32, Wide up to [`WIDE_MAX_TOKENS`], Medium again up to [`MEDIUM_MAX_TOKENS`],
+/// Tall beyond. Every tile gives the same bits, so the choice only moves time.
 pub fn tile_for(tokens: usize) -> usize {
     if tokens <= SHAPES[0].tokens {
         0
-    } else if tokens <= MEDIUM_MAX_TOKENS {
+    } else if tokens <= SHAPES[1].tokens || (WIDE_MAX_TOKENS < tokens && tokens <= MEDIUM_MAX_TOKENS) {
         1
-    } else {
+    } else if tokens <= WIDE_MAX_TOKENS {
         2
+    } else {
+        3
     }
 }
 

@@ -157,7 +157,12 @@ impl Kernels {
             mla_chunk_half: f("mla_chunk_half")?,
             mla_combine: f("mla_combine")?,
             mla_combine_rows: f("mla_combine_rows")?,
-            gemm_bf16: [f(gemm_bf16::SHAPES[0].name)?, f(gemm_bf16::SHAPES[1].name)?, f(gemm_bf16::SHAPES[2].name)?],
+            gemm_bf16: [
+                f(gemm_bf16::SHAPES[0].name)?,
+                f(gemm_bf16::SHAPES[1].name)?,
+                f(gemm_bf16::SHAPES[2].name)?,
+                f(gemm_bf16::SHAPES[3].name)?,
+            ],
             gemm_reduce: f("gemm_reduce")?,
             gemm_split_bf16: f("gemm_split_bf16")?,
             rowops: rowops::Kernels::load(module)?,
